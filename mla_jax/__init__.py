@@ -1,0 +1,31 @@
+"""DeepSeek Multi-head Latent Attention for JAX over a paged latent KV cache."""
+
+from .attention import MLAAttention
+from .cache import BlockAllocator, CacheFullError, init_cache, write_cache
+from .config import MLAConfig, ModelConfig, RopeConfig, load_config, preset
+from .engine import Engine, EngineConfig, Request
+from .metadata import AttentionMetadata, Buckets, build_metadata
+from .model import DeepseekModel
+from .weights import load_model, save_checkpoint
+
+__all__ = [
+    "AttentionMetadata",
+    "BlockAllocator",
+    "Buckets",
+    "CacheFullError",
+    "DeepseekModel",
+    "Engine",
+    "EngineConfig",
+    "MLAAttention",
+    "MLAConfig",
+    "ModelConfig",
+    "Request",
+    "RopeConfig",
+    "build_metadata",
+    "init_cache",
+    "load_config",
+    "load_model",
+    "preset",
+    "save_checkpoint",
+    "write_cache",
+]

@@ -1,0 +1,214 @@
+"""The MLA attention module (Flax NNX) over a paged latent cache.
+
+One call runs a step of flattened tokens (decodes first, then prefills; see metadata.py):
+
+    q_c = rmsnorm(x @ W_DQ);  q = q_c @ W_UQR  -> q_nope [T,N,P], q_pe [T,N,R]
+    kv = x @ W_DKV_KR;  kv_c = rmsnorm(kv[:, :Lkv]);  k_pe = kv[:, Lkv:]
+    q_pe, k_pe = rope(q_pe, k_pe);  cache[slot] = concat(kv_c, k_pe)
+
+- decodes take the absorbed, data-movement-friendly path: ``q_lat = q_nope @ W_UK^T`` per
+  head, MQA over the latent cache (keys ``[kv_c, k_pe]``, values ``kv_c``), ``o = o_lat @ W_UV``;
+- prefills take the compute-friendly path: ``k_nope, v = kv_c @ W_UK, kv_c @ W_UV`` and causal
+  MHA over the new tokens; cached context is gathered chunk by chunk into a bounded workspace,
+  up-projected the same way, attended non-causally and LSE-merged with the new-token result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels
+
+from .cache import write_cache
+from .config import MLAConfig
+from .layers import RMSNorm, linear
+from .metadata import AttentionMetadata, ChunkedContext, DecodeMetadata, PrefillMetadata
+from .rope import apply_rope, rope_cos_sin
+
+
+class MLAAttention(nnx.Module):
+    """DeepSeek MLA with HF parameter names; kernels are Linear ``[in, out]``."""
+
+    def __init__(self, cfg: MLAConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        n, qk, dt = cfg.num_heads, cfg.qk_head_dim, param_dtype
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(cfg.hidden_size, n * qk, dt, rngs)
+        else:
+            self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dt, rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
+            self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
+        self.kv_b_proj = linear(
+            cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt, rngs
+        )
+        self.o_proj = linear(n * cfg.v_head_dim, cfg.hidden_size, dt, rngs)
+
+    @property
+    def W_UK(self) -> jax.Array:
+        """``[Lkv, N, P]``: kv_c -> k_nope, per head (the part of kv_b_proj that makes keys)."""
+        c = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
+        return w[..., : c.qk_nope_head_dim]
+
+    @property
+    def W_UV(self) -> jax.Array:
+        """``[Lkv, N, V]``: kv_c -> v, per head."""
+        c = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
+        return w[..., c.qk_nope_head_dim :]
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cache: jax.Array,
+        md: AttentionMetadata,
+        *,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, jax.Array]:
+        """One step.
+
+        Args:
+          x: ``[T, H]`` hidden states, laid out as ``md`` says.
+          cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache.
+          md: the step's metadata (device arrays).
+          impl: kernels to use (``kernels.select``).
+
+        Returns:
+          ``[T, H]`` attention output (x's dtype) and the updated cache.
+        """
+        c = self.cfg
+        t = x.shape[0]
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(t, c.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
+        k_pe = kv[:, c.kv_lora_rank :]
+
+        cos, sin = rope_cos_sin(c.rope, c.qk_rope_head_dim, md.positions)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope.interleaved)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope.interleaved)
+        cache = write_cache(cache, kv_c, k_pe, md.slot_mapping)
+
+        ks = kernels.select(impl)
+        bd = md.num_decode_tokens
+        outs = []
+        if md.decode is not None:
+            outs.append(self._decode(ks, q_nope[:bd], q_pe[:bd], cache, md.decode))
+        if md.prefill is not None:
+            q = jnp.concatenate([q_nope[bd:], q_pe[bd:]], axis=-1)
+            outs.append(self._prefill(ks, q, kv_c[bd:], k_pe[bd:], cache, md.prefill))
+        o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        return self.o_proj(o.reshape(t, c.num_heads * c.v_head_dim).astype(x.dtype)), cache
+
+    def _decode(
+        self, ks, q_nope: jax.Array, q_pe: jax.Array, cache: jax.Array, md: DecodeMetadata
+    ) -> jax.Array:
+        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
+        f32 = jnp.float32
+        q_lat = jnp.einsum("bnp,lnp->bnl", q_nope, self.W_UK, preferred_element_type=f32)
+        o_lat, _ = ks.mla_decode(
+            q_lat.astype(cache.dtype),
+            q_pe.astype(cache.dtype),
+            cache,
+            md.block_table,
+            md.seq_lens,
+            scale=self.cfg.softmax_scale,
+        )
+        return jnp.einsum("bnl,lnv->bnv", o_lat, self.W_UV.astype(o_lat.dtype))
+
+    def _up_project(self, kv_c: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``kv_c [T, Lkv]``, ``k_pe [T, R]`` -> keys ``[T, N, P + R]``, values ``[T, N, V]``."""
+        dt = kv_c.dtype
+        k_nope = jnp.einsum("tl,lnp->tnp", kv_c, self.W_UK.astype(dt))
+        v = jnp.einsum("tl,lnv->tnv", kv_c, self.W_UV.astype(dt))
+        k_pe = jnp.broadcast_to(k_pe[:, None, :], (*k_nope.shape[:2], k_pe.shape[-1]))
+        return jnp.concatenate([k_nope, k_pe.astype(dt)], axis=-1), v
+
+    def _prefill(
+        self,
+        ks,
+        q: jax.Array,
+        kv_c: jax.Array,
+        k_pe: jax.Array,
+        cache: jax.Array,
+        md: PrefillMetadata,
+    ) -> jax.Array:
+        """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
+        k, v = self._up_project(kv_c, k_pe)
+        out, lse = ks.flash_prefill(
+            q,
+            k,
+            v,
+            md.query_start_loc,
+            md.query_start_loc,
+            scale=self.cfg.softmax_scale,
+            causal=True,
+        )
+        if md.chunks is None:
+            return out
+        ctx_out, ctx_lse = self._context(ks, q, cache, md, md.chunks)
+        out, _ = ks.merge_attn_states(ctx_out, ctx_lse, out, lse)
+        return out
+
+    def _context(
+        self, ks, q: jax.Array, cache: jax.Array, md: PrefillMetadata, chunks: ChunkedContext
+    ) -> tuple[jax.Array, jax.Array]:
+        """Attention of the prefill queries over their cached context, one workspace-sized
+        chunk at a time (a scan, so peak memory is one chunk's keys and values)."""
+        num_blocks, block_size, width = cache.shape
+        rows = cache.reshape(num_blocks * block_size, width)
+        lkv = self.cfg.kv_lora_rank
+
+        def chunk(carry, plan):
+            cu_seq_lens, starts, total = plan
+            slots = _workspace_slots(
+                cu_seq_lens, starts, total, md.block_table, block_size, chunks.workspace_size
+            )
+            ws = rows[slots].astype(q.dtype)
+            k, v = self._up_project(ws[:, :lkv], ws[:, lkv:])
+            o, lse = ks.flash_prefill(
+                q,
+                k,
+                v,
+                md.query_start_loc,
+                cu_seq_lens,
+                scale=self.cfg.softmax_scale,
+                causal=False,
+            )
+            return ks.merge_attn_states(*carry, o, lse), None
+
+        tq, n = q.shape[:2]
+        init = (
+            jnp.zeros((tq, n, self.cfg.v_head_dim), q.dtype),
+            jnp.full((tq, n), -jnp.inf, jnp.float32),
+        )
+        (out, lse), _ = jax.lax.scan(
+            chunk, init, (chunks.cu_seq_lens, chunks.starts, chunks.totals)
+        )
+        return out, lse
+
+
+def _workspace_slots(
+    cu_seq_lens: jax.Array,
+    starts: jax.Array,
+    total: jax.Array,
+    block_table: jax.Array,
+    block_size: int,
+    workspace_size: int,
+) -> jax.Array:
+    """Cache slot of each of the chunk's ``workspace_size`` rows (0 past ``total``)."""
+    i = jnp.arange(workspace_size)
+    r = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
+    pos = starts[r] + i - cu_seq_lens[r]
+    block = jnp.take_along_axis(
+        block_table[r], jnp.clip(pos // block_size, 0, block_table.shape[1] - 1)[:, None], 1
+    )[:, 0]
+    return jnp.where(i < total, block * block_size + pos % block_size, 0)

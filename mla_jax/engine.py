@@ -1,0 +1,279 @@
+"""A small generation engine: continuous batching, chunked prefill, one jit per bucket.
+
+Each step the scheduler takes every running decode (one token each) and then fills the rest
+of the token budget with prompt chunks, so long prompts span steps and come back with cached
+context. A request reserves the cache blocks for its whole length when admitted, so a
+running request never runs out; a request waits while too few blocks are free, and one that
+could never fit is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .cache import BlockAllocator, CacheFullError, init_cache
+from .config import ModelConfig
+from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
+from .model import DeepseekModel
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64
+    workspace_size: int = 8192  # cached-context rows gathered per chunk
+    cache_dtype: str | None = None  # default: the model's dtype
+    buckets: Buckets = Buckets()
+    impl: str = "auto"  # kernels.select
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.workspace_size < self.block_size:
+            raise ValueError(
+                f"workspace_size ({self.workspace_size}) must hold at least one block "
+                f"({self.block_size})"
+            )
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    block_ids: np.ndarray | None = None
+    num_computed: int = 0  # tokens already in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
+
+
+@dataclasses.dataclass
+class Stats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    compile_s: float = 0.0
+    buckets: list[StepShape] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        run_s = max(self.elapsed_s - self.compile_s, 1e-9)
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "compile_s": round(self.compile_s, 4),
+            "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
+            "buckets": [s._asdict() for s in self.buckets],
+        }
+
+
+def _sample(logits: jax.Array, temperatures: jax.Array, key: jax.Array) -> jax.Array:
+    """Greedy where temperature is 0, else a draw from softmax(logits / temperature)."""
+    t = jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
+    drawn = jax.random.categorical(key, logits / t, axis=-1)
+    return jnp.where(temperatures > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+class Engine:
+    """Runs requests to completion over a model and its paged latent caches."""
+
+    def __init__(
+        self,
+        model: DeepseekModel,
+        cfg: EngineConfig = EngineConfig(),
+        *,
+        seed: int = 0,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.model_cfg: ModelConfig = model.cfg
+        self.cfg = cfg
+        self.graphdef, self.state = nnx.split(model)
+        dtype = cfg.cache_dtype or model.embed_tokens.embedding[...].dtype
+        self.caches = init_cache(
+            self.model_cfg.num_layers,
+            cfg.num_blocks,
+            cfg.block_size,
+            self.model_cfg.mla.cache_width,
+            dtype,
+        )
+        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.key = jax.random.key(seed)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.stats = Stats()
+        self._seen: set[StepShape] = set()
+
+        def forward(graphdef, state, caches, input_ids, md, temperatures, key):
+            model = nnx.merge(graphdef, state)
+            logits, caches = model(input_ids, caches, md, impl=cfg.impl)
+            return _sample(logits, temperatures, key), caches
+
+        # A function of this engine's own, so its jit cache holds exactly its buckets.
+        self._step_fn = jax.jit(forward, static_argnums=0, donate_argnums=2)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _check(self, req: Request) -> None:
+        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_position_embeddings
+        if not req.prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if req.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {req.temperature}")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        if total > max_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
+                f"{total} exceeds max_position_embeddings {max_len}"
+            )
+        if self._blocks_for(req) > self.cfg.num_blocks:
+            raise CacheFullError(
+                f"a request of {total} tokens needs {self._blocks_for(req)} cache blocks of "
+                f"{self.cfg.block_size}; the cache has {self.cfg.num_blocks}"
+            )
+
+    def _blocks_for(self, req: Request) -> int:
+        return -(-(len(req.prompt_ids) + req.max_new_tokens) // self.cfg.block_size)
+
+    def _finished(self, req: Request) -> bool:
+        if len(req.output_ids) >= req.max_new_tokens:
+            return True
+        eos = self.model_cfg.eos_token_ids
+        return not req.ignore_eos and bool(req.output_ids) and req.output_ids[-1] in eos
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _schedule(self, running: list[Request], waiting: deque[Request]):
+        """``[(request, new_tokens)]`` for one step: decodes (and 1-token prompt chunks)
+        first, then prompt chunks, within the token budget."""
+        budget = self.cfg.max_num_batched_tokens
+        batch = []
+        for req in running:
+            n = min(req.num_tokens - req.num_computed, budget)
+            if n:
+                batch.append((req, n))
+                budget -= n
+        while waiting and budget and len(running) < self.cfg.max_num_seqs:
+            req = waiting[0]
+            if self._blocks_for(req) > self.allocator.num_free:
+                break
+            waiting.popleft()
+            req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)), np.int32)
+            running.append(req)
+            n = min(len(req.prompt_ids), budget)
+            batch.append((req, n))
+            budget -= n
+        batch.sort(key=lambda rn: rn[1] > 1)  # stable: decodes first
+        return batch
+
+    def _metadata(self, batch) -> tuple[np.ndarray, AttentionMetadata]:
+        width = max(len(req.block_ids) for req, _ in batch)
+        block_table = np.zeros((len(batch), width), np.int32)
+        context_lens = np.empty(len(batch), np.int32)
+        query_lens = np.empty(len(batch), np.int32)
+        ids = []
+        for i, (req, n) in enumerate(batch):
+            block_table[i, : len(req.block_ids)] = req.block_ids
+            context_lens[i] = req.num_computed
+            query_lens[i] = n
+            ids.extend(req.token(j) for j in range(req.num_computed, req.num_computed + n))
+        md = build_metadata(
+            context_lens,
+            query_lens,
+            block_table,
+            block_size=self.cfg.block_size,
+            num_blocks=self.cfg.num_blocks,
+            workspace_size=self.cfg.workspace_size,
+            buckets=self.cfg.buckets,
+        )
+        input_ids = np.zeros(md.positions.shape[0], np.int32)
+        input_ids[md.token_rows()] = ids
+        return input_ids, md
+
+    def step(self, batch) -> np.ndarray:
+        """Runs one scheduled batch; returns the sampled token of each request."""
+        input_ids, md = self._metadata(batch)
+        shape = md.step_shape()
+        rows = md.request_rows()
+        temperatures = np.zeros(md.logits_indices.shape[0], np.float32)
+        temperatures[rows] = [req.temperature for req, _ in batch]
+        self.key, key = jax.random.split(self.key)
+        args = jax.device_put((input_ids, md, temperatures))
+        t0 = time.perf_counter()
+        tokens, self.caches = self._step_fn(self.graphdef, self.state, self.caches, *args, key)
+        tokens = np.asarray(tokens)
+        if shape not in self._seen:
+            dt = time.perf_counter() - t0
+            self._seen.add(shape)
+            self.stats.buckets.append(shape)
+            self.stats.compile_s += dt
+            self.log(f"compiled bucket {shape} in {dt:.2f}s")
+        return tokens[rows]
+
+    def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
+        """Runs every request to completion; returns them in the given order."""
+        for req in requests:
+            self._check(req)
+        waiting, running = deque(requests), []
+        t_start = t_log = time.perf_counter()
+        while waiting or running:
+            batch = self._schedule(running, waiting)
+            if not batch:
+                raise CacheFullError(
+                    f"no request can be scheduled: {self.allocator.num_free} free blocks"
+                )
+            tokens = self.step(batch)
+            self.stats.steps += 1
+            for (req, n), tok in zip(batch, tokens, strict=True):
+                prompt_len = len(req.prompt_ids)
+                self.stats.prompt_tokens += max(
+                    min(req.num_computed + n, prompt_len) - req.num_computed, 0
+                )
+                req.num_computed += n
+                if req.num_computed < prompt_len:
+                    continue  # a prompt chunk: its logits are not a sample
+                req.output_ids.append(int(tok))
+                self.stats.generated_tokens += 1
+                if self._finished(req):
+                    running.remove(req)
+                    self.allocator.free(req.block_ids.tolist())
+            now = time.perf_counter()
+            self.stats.elapsed_s = now - t_start
+            if now - t_log >= progress_every_s or not (waiting or running):
+                t_log = now
+                self.log(self._progress(len(running), len(waiting)))
+        return requests
+
+    def _progress(self, running: int, waiting: int) -> str:
+        s = self.stats.as_dict()
+        return (
+            f"step {s['steps']}: {running} running, {waiting} waiting | "
+            f"{s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens, "
+            f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling "
+            f"{len(self.stats.buckets)} buckets)"
+        )

@@ -1,0 +1,27 @@
+"""Building blocks shared by the attention module and the decoder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """``weight * (x / rms(x))``, normalised in float32 and cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...] * y.astype(x.dtype)).astype(x.dtype)
+
+
+def linear(n_in: int, n_out: int, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """Bias-free ``[n_in, n_out]`` projection computing in ``param_dtype``."""
+    return nnx.Linear(
+        n_in, n_out, use_bias=False, dtype=param_dtype, param_dtype=param_dtype, rngs=rngs
+    )

@@ -1,0 +1,330 @@
+"""Host-side (NumPy) attention metadata for one step of flattened tokens.
+
+A step holds requests in vLLM's order: decodes (one new token) first, then prefills. Every
+array is padded to a bucket, so the device sees few distinct shapes; the token axis is laid
+out as
+
+    [ decode slots (num_decodes bucket) | prefill slots (prefill-token bucket) ]
+
+with real tokens first in each region and padding (slot ``PAD_SLOT``, no keys) after them.
+Array shapes and the static fields (``ChunkedContext.workspace_size``) select the compiled
+program: one jit compilation per bucket.
+
+Everything here is vectorised NumPy: no Python loop over requests or tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from .cache import PAD_SLOT
+
+
+class MetadataError(ValueError):
+    """The requests of a step are malformed (lengths, order, block tables)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """How each padded size is chosen: the smallest power of two >= max(n, minimum), or the
+    smallest entry of an explicit list that fits (``token_buckets`` for prefill tokens)."""
+
+    min_decodes: int = 8
+    min_prefill_tokens: int = 16
+    min_prefills: int = 1
+    min_blocks: int = 4
+    min_chunk_tokens: int = 256
+    token_buckets: tuple[int, ...] | None = None
+
+    def decodes(self, n: int) -> int:
+        return 0 if n == 0 else _pow2_at_least(n, self.min_decodes)
+
+    def prefill_tokens(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.token_buckets is None:
+            return _pow2_at_least(n, self.min_prefill_tokens)
+        for b in sorted(self.token_buckets):
+            if b >= n:
+                return b
+        raise MetadataError(
+            f"{n} prefill tokens exceed the largest bucket {max(self.token_buckets)}"
+        )
+
+    def prefills(self, n: int) -> int:
+        return 0 if n == 0 else _pow2_at_least(n, self.min_prefills)
+
+    def blocks(self, n: int) -> int:
+        return _pow2_at_least(n, self.min_blocks)
+
+    def chunks(self, n: int) -> int:
+        return 0 if n == 0 else _pow2_at_least(n, 1)
+
+    def chunk_tokens(self, n: int, workspace_size: int) -> int:
+        return min(_pow2_at_least(n, self.min_chunk_tokens), workspace_size)
+
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkedContext:
+    """Plan for the cached context of prefills, gathered ``workspace_size`` rows at a time.
+
+    Chunk ``c`` gathers, for each prefill ``r``, context positions
+    ``[starts[c, r], starts[c, r] + lens)`` into workspace rows
+    ``[cu_seq_lens[c, r], cu_seq_lens[c, r + 1])``; ``totals[c] = cu_seq_lens[c, -1]``.
+    """
+
+    cu_seq_lens: np.ndarray  # [C, Bp + 1] int32
+    starts: np.ndarray  # [C, Bp] int32, multiples of block_size
+    totals: np.ndarray  # [C] int32
+    workspace_size: int = dataclasses.field(metadata={"static": True})  # rows per chunk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeMetadata:
+    block_table: np.ndarray  # [Bd, Wd] int32; unused entries are block 0
+    seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillMetadata:
+    query_start_loc: np.ndarray  # [Bp + 1] int32, offsets into the prefill token region
+    seq_lens: np.ndarray  # [Bp] int32: context + new tokens
+    context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
+    block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
+    chunks: ChunkedContext | None  # None when no prefill has cached context
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32; PAD_SLOT on padding
+    logits_indices: np.ndarray  # [Bd + Bp] int32: the last token of each request
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.seq_lens.shape[0]
+
+    def token_rows(self) -> np.ndarray:
+        """Host-side: row of each real token in the padded token axis, in request order."""
+        return self._rows(0 if self.prefill is None else int(self.prefill.query_start_loc[-1]))
+
+    def request_rows(self) -> np.ndarray:
+        """Host-side: row of each real request in ``logits_indices``, in request order."""
+        return self._rows(
+            0
+            if self.prefill is None
+            else int(np.count_nonzero(np.diff(self.prefill.query_start_loc)))
+        )
+
+    def _rows(self, num_prefill_rows: int) -> np.ndarray:
+        nd = 0 if self.decode is None else int(np.count_nonzero(self.decode.seq_lens))
+        return np.concatenate([np.arange(nd), self.num_decode_tokens + np.arange(num_prefill_rows)])
+
+    def step_shape(self) -> StepShape:
+        """The bucket this step compiles for."""
+        d, p = self.decode, self.prefill
+        c = None if p is None else p.chunks
+        return StepShape(
+            tokens=self.positions.shape[0],
+            decodes=0 if d is None else d.seq_lens.shape[0],
+            decode_blocks=0 if d is None else d.block_table.shape[1],
+            prefills=0 if p is None else p.seq_lens.shape[0],
+            prefill_blocks=0 if p is None else p.block_table.shape[1],
+            chunks=0 if c is None else c.starts.shape[0],
+            chunk_tokens=0 if c is None else c.workspace_size,
+        )
+
+
+class StepShape(NamedTuple):
+    tokens: int
+    decodes: int
+    decode_blocks: int
+    prefills: int
+    prefill_blocks: int
+    chunks: int
+    chunk_tokens: int
+
+
+def build_metadata(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_table: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    workspace_size: int,
+    buckets: Buckets = Buckets(),
+) -> AttentionMetadata:
+    """Metadata of one step, padded to buckets.
+
+    Args:
+      context_lens: ``[R]`` tokens of each request already in the cache.
+      query_lens: ``[R]`` new tokens this step (>= 1); requests with 1 are decodes and must
+        come first.
+      block_table: ``[R, W]`` cache block ids of each request; entries past
+        ``cdiv(context + query, block_size)`` are ignored.
+      block_size, num_blocks: the cache's geometry (block ids must be < num_blocks).
+      workspace_size: the most cached-context rows gathered at once (vLLM's bound).
+    """
+    ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
+    num_reqs = ctx.shape[0]
+    seq_lens = ctx + qlen
+    nd = int(np.count_nonzero(qlen == 1))
+    npf = num_reqs - nd
+    n_tok = int(qlen.sum())
+
+    # Position and cache slot of every new token.
+    cu = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(qlen, out=cu[1:])
+    req_of_tok = np.repeat(np.arange(num_reqs), qlen)
+    pos = ctx[req_of_tok] + (np.arange(n_tok) - cu[req_of_tok])
+    slots = bt[req_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    ordered = np.sort(slots)
+    if (ordered[1:] == ordered[:-1]).any():
+        raise MetadataError("two new tokens map to the same cache slot: block tables overlap")
+
+    bd = buckets.decodes(nd)
+    tp = buckets.prefill_tokens(n_tok - nd)
+    bp = buckets.prefills(npf)
+    positions = np.zeros(bd + tp, np.int32)
+    slot_mapping = np.full(bd + tp, PAD_SLOT, np.int32)
+    for lo, sl in ((0, slice(0, nd)), (bd, slice(nd, n_tok))):
+        positions[lo : lo + sl.stop - sl.start] = pos[sl]
+        slot_mapping[lo : lo + sl.stop - sl.start] = slots[sl]
+
+    logits_indices = np.zeros(bd + bp, np.int32)
+    logits_indices[:nd] = np.arange(nd)
+    logits_indices[bd : bd + npf] = bd + (cu[nd + 1 :] - nd) - 1
+
+    decode = None
+    if nd:
+        decode = DecodeMetadata(
+            block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),
+            seq_lens=_pad(seq_lens[:nd], bd),
+        )
+    prefill = None
+    if npf:
+        p_ctx = ctx[nd:]
+        qsl = np.full(bp + 1, n_tok - nd, np.int32)
+        qsl[: npf + 1] = cu[nd:] - nd
+        prefill = PrefillMetadata(
+            query_start_loc=qsl,
+            seq_lens=_pad(seq_lens[nd:], bp),
+            context_lens=_pad(p_ctx, bp),
+            block_table=_pad_table(bt[nd:], p_ctx, bp, buckets, block_size),
+            chunks=_plan_chunks(_pad(p_ctx, bp), block_size, workspace_size, buckets),
+        )
+    return AttentionMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
+        decode=decode,
+        prefill=prefill,
+    )
+
+
+def _plan_chunks(
+    context_lens: np.ndarray, block_size: int, workspace_size: int, buckets: Buckets
+) -> ChunkedContext | None:
+    """vLLM's rule: the workspace is shared equally among the prefills that have context,
+    each share rounded down to whole blocks; chunk c covers ``[c * share, (c + 1) * share)``."""
+    n_ctx = int(np.count_nonzero(context_lens))
+    if n_ctx == 0:
+        return None
+    share = workspace_size // n_ctx // block_size * block_size
+    if share == 0:
+        raise MetadataError(
+            f"workspace_size {workspace_size} is too small for {n_ctx} prefills with cached "
+            f"context: it needs at least {n_ctx * block_size} rows (one block each)"
+        )
+    num_chunks = -(-int(context_lens.max()) // share)
+    c = buckets.chunks(num_chunks)
+    starts = np.arange(c, dtype=np.int64)[:, None] * share
+    lens = np.clip(np.minimum(context_lens[None, :], starts + share) - starts, 0, None)
+    cu_seq_lens = np.zeros((c, context_lens.shape[0] + 1), np.int32)
+    np.cumsum(lens, axis=1, out=cu_seq_lens[:, 1:])
+    totals = cu_seq_lens[:, -1].copy()
+    return ChunkedContext(
+        cu_seq_lens=cu_seq_lens,
+        starts=np.broadcast_to(starts, lens.shape).astype(np.int32),
+        totals=totals,
+        workspace_size=buckets.chunk_tokens(int(totals.max()), workspace_size),
+    )
+
+
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, np.int32)
+    out[: x.shape[0]] = x
+    return out
+
+
+def _pad_table(
+    bt: np.ndarray, lens: np.ndarray, rows: int, buckets: Buckets, block_size: int
+) -> np.ndarray:
+    """Rows of ``bt`` cut to the blocks ``lens`` needs, unused entries zeroed (a valid block,
+    so that a kernel reading past a sequence's end stays in bounds), padded to buckets."""
+    needed = -(-lens // block_size)
+    width = buckets.blocks(int(needed.max()) if needed.size else 1)
+    w = min(width, bt.shape[1])
+    out = np.zeros((rows, width), np.int32)
+    used = np.arange(w)[None, :] < needed[:, None]
+    out[: bt.shape[0], :w] = np.where(used, bt[:, :w], 0)
+    return out
+
+
+def _validate(context_lens, query_lens, block_table, block_size, num_blocks):
+    ctx = np.asarray(context_lens)
+    qlen = np.asarray(query_lens)
+    bt = np.asarray(block_table)
+    if ctx.ndim != 1 or qlen.shape != ctx.shape or ctx.shape[0] == 0:
+        raise MetadataError(
+            f"context_lens {ctx.shape} and query_lens {qlen.shape} must be equal, non-empty 1-D"
+        )
+    if bt.ndim != 2 or bt.shape[0] != ctx.shape[0]:
+        raise MetadataError(f"block_table must be [num_requests={ctx.shape[0]}, W], got {bt.shape}")
+    for name, a in (("context_lens", ctx), ("query_lens", qlen), ("block_table", bt)):
+        if not np.issubdtype(a.dtype, np.integer):
+            raise MetadataError(f"{name} must hold integers, got dtype {a.dtype}")
+    if block_size <= 0:
+        raise MetadataError(f"block_size must be positive, got {block_size}")
+    _check(ctx >= 0, "context_lens must be >= 0", ctx)
+    _check(qlen >= 1, "query_lens must be >= 1", qlen)
+    ctx, qlen = ctx.astype(np.int64), qlen.astype(np.int64)
+    is_decode = qlen == 1
+    nd = int(np.count_nonzero(is_decode))
+    _check(is_decode[:nd], "decode requests (query_len 1) must come before prefills", qlen)
+    needed = -(-(ctx + qlen) // block_size)
+    _check(
+        needed <= bt.shape[1],
+        f"block_table (width {bt.shape[1]}) is narrower than a request needs",
+        needed,
+    )
+    used = np.arange(bt.shape[1])[None, :] < needed[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bad.any():
+        r, w = np.argwhere(bad)[0]
+        raise MetadataError(
+            f"block_table[{r}, {w}] = {bt[r, w]} is not a block id in [0, {num_blocks})"
+        )
+    return ctx, qlen, bt
+
+
+def _check(ok: np.ndarray, message: str, values: np.ndarray) -> None:
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise MetadataError(f"{message} (request {i}: {values[i]})")

@@ -1,0 +1,135 @@
+"""Hugging Face safetensors checkpoints <-> DeepseekModel.
+
+Parameter paths map to HF tensor names mechanically: ``layers.3.self_attn.q_a_proj.kernel``
+is ``model.layers.3.self_attn.q_a_proj.weight`` transposed (HF stores ``[out, in]``),
+``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head`` has no
+``model.`` prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from .config import ModelConfig, config_to_dict, load_config
+from .model import DeepseekModel
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class WeightsError(ValueError):
+    """A checkpoint's tensors do not match the model its config.json describes."""
+
+
+def hf_name(path: tuple) -> str:
+    """HF tensor name of an nnx parameter path."""
+    parts = [str(p) for p in path]
+    if parts[-1] in ("kernel", "embedding"):
+        parts[-1] = "weight"
+    name = ".".join(parts)
+    return name if parts[0] == "lm_head" else f"model.{name}"
+
+
+def _is_transposed(path: tuple) -> bool:
+    return path[-1] == "kernel"
+
+
+def _checkpoint_files(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
+    index_path = os.path.join(model_dir, _INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index_path} has no 'weight_map' object")
+        files = {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise WeightsError(f"{index_path} names the missing shard {os.path.basename(file)}")
+        return files
+    single = os.path.join(model_dir, _SINGLE)
+    if not os.path.isfile(single):
+        raise WeightsError(f"no {_SINGLE} or {_INDEX} in {model_dir}")
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that generation does not use: rotary buffers and the
+    multi-token-prediction layers DeepSeek-V3 appends after the decoder."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    n_extra = cfg.num_nextn_predict_layers
+    return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + n_extra
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_model(
+    model_dir: str | os.PathLike, *, dtype=jnp.float32, verbose: bool = False
+) -> tuple[ModelConfig, DeepseekModel]:
+    """Builds the model ``config.json`` describes and fills it from the checkpoint's tensors,
+    cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors."""
+    model_dir = os.fspath(model_dir)
+    cfg = load_config(model_dir)
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = {hf_name(path): (path, var) for path, var in nnx.to_flat_state(state)}
+    files = _checkpoint_files(model_dir)
+
+    missing = sorted(set(params) - set(files))
+    if missing:
+        raise WeightsError(f"checkpoint {model_dir} lacks tensors: {_listing(missing)}")
+    unexpected = sorted(n for n in set(files) - set(params) if not _ignorable(n, cfg))
+    if unexpected:
+        raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
+
+    by_file = defaultdict(list)
+    for name in params:
+        by_file[files[name]].append(name)
+    loaded = []
+    for i, (file, names) in enumerate(sorted(by_file.items())):
+        if verbose:
+            print(f"loading {os.path.basename(file)} ({i + 1}/{len(by_file)})", file=sys.stderr)
+        with safe_open(file, framework="numpy") as f:
+            for name in names:
+                path, var = params[name]
+                array = f.get_tensor(name)
+                if _is_transposed(path):
+                    array = array.T
+                if array.shape != var.shape:
+                    hf_shape = array.T.shape if _is_transposed(path) else array.shape
+                    want = var.shape[::-1] if _is_transposed(path) else var.shape
+                    raise WeightsError(
+                        f"tensor {name} has shape {hf_shape}, the config needs {tuple(want)}"
+                    )
+                loaded.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` under HF names (``load_model``'s
+    inverse)."""
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        array = np.asarray(var[...])
+        tensors[hf_name(path)] = np.ascontiguousarray(array.T if _is_transposed(path) else array)
+    save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config_to_dict(model.cfg), f, indent=2)

@@ -1,0 +1,138 @@
+"""Shared test helpers: small configs, random weights, and a one-step harness."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from mla_jax.config import MLAConfig, RopeConfig  # noqa: E402
+from mla_jax.metadata import build_metadata  # noqa: E402
+from mla_jax.rope import cos_sin_scale, inv_freq  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def small_mla(
+    *, q_lora: bool = True, heads: int = 4, yarn: bool = True, interleaved: bool = True
+) -> MLAConfig:
+    rope = (
+        RopeConfig(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=32,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+            interleaved=interleaved,
+        )
+        if yarn
+        else RopeConfig(interleaved=interleaved)
+    )
+    return MLAConfig(
+        hidden_size=48,
+        num_heads=heads,
+        q_lora_rank=24 if q_lora else None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope=rope,
+    )
+
+
+def randomize(module: nnx.Module, seed: int) -> None:
+    """Fresh random weights everywhere, norm weights included (not left at 1)."""
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        shape, dtype = var.shape, var[...].dtype
+        if len(shape) == 1:
+            value = 1.0 + 0.2 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / np.sqrt(shape[0])
+        var[...] = jnp.asarray(value, dtype)
+
+
+def mla_weights_np(attn) -> dict[str, np.ndarray]:
+    """The module's weights as float64 ``[in, out]`` arrays under HF names."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(attn, nnx.Param)):
+        out[path[0]] = np.asarray(var[...], np.float64)
+    return out
+
+
+def mla_dims(cfg: MLAConfig) -> dict:
+    return dict(
+        N=cfg.num_heads,
+        P=cfg.qk_nope_head_dim,
+        R=cfg.qk_rope_head_dim,
+        V=cfg.v_head_dim,
+        Lkv=cfg.kv_lora_rank,
+        eps=cfg.rms_norm_eps,
+        scale=cfg.softmax_scale,
+        inv_freq=inv_freq(cfg.rope, cfg.qk_rope_head_dim).astype(np.float64),
+        mag=cos_sin_scale(cfg.rope),
+        interleaved=cfg.rope.interleaved,
+    )
+
+
+class Step:
+    """Runs one attention step of several requests through the module.
+
+    ``requests``: ``(context_len, x_new [q, H])`` in vLLM order (decodes first);
+    ``tables``: ``[R, W]`` block ids. Returns per-request outputs and the new cache.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, workspace_size: int = 4096):
+        self.block_size, self.num_blocks, self.workspace_size = (
+            block_size,
+            num_blocks,
+            workspace_size,
+        )
+
+    def __call__(self, attn, cache, requests, tables, *, impl="reference"):
+        ctx = np.array([c for c, _ in requests])
+        qlen = np.array([len(x) for _, x in requests])
+        md = build_metadata(
+            ctx,
+            qlen,
+            np.asarray(tables),
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            workspace_size=self.workspace_size,
+        )
+        x = np.zeros((md.positions.shape[0], requests[0][1].shape[1]), np.float32)
+        x[md.token_rows()] = np.concatenate([x for _, x in requests])
+        y, cache = _run(attn, jnp.asarray(x), cache, jax.device_put(md), impl)
+        y = np.asarray(y)[md.token_rows()]
+        return np.split(y, np.cumsum(qlen)[:-1]), cache
+
+
+@nnx.jit(static_argnames="impl")
+def _run(attn, x, cache, md, impl):
+    return attn(x, cache, md, impl=impl)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+_BASE_SEED = int(os.environ.get("MLA_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+
+
+def pytest_report_header(config):
+    return f"random inputs: MLA_TEST_SEED={_BASE_SEED} (set it to replay a run)"
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs on every run; MLA_TEST_SEED replays one (the header prints it)."""
+    digest = sum(ord(c) * 31**i for i, c in enumerate(request.node.nodeid)) % 2**31
+    return np.random.default_rng([_BASE_SEED, digest])

@@ -1,0 +1,119 @@
+"""The engine and the generate script on the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mla_jax.cache import CacheFullError
+from mla_jax.engine import Engine, EngineConfig, Request
+from mla_jax.tiny import tiny_checkpoint
+from mla_jax.weights import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tiny_checkpoint(str(tmp_path_factory.mktemp("cache") / "tiny"))
+    return load_model(path)[1]
+
+
+def _run(model, prompts, *, log=None, **kw):
+    cfg = dict(block_size=16, num_blocks=64, impl="reference")
+    cfg.update(kw)
+    engine = Engine(model, EngineConfig(**cfg), seed=kw.pop("seed", 0), log=log or (lambda _: None))
+    return engine, engine.generate([Request(p, 5) for p in prompts])
+
+
+def test_outputs_do_not_depend_on_batching(tiny, rng):
+    """Token budget (chunked prefill), workspace (context chunks), concurrency and cache size
+    change the schedule, never the greedy tokens."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (1, 40, 7, 90, 3)]
+    _, base = _run(tiny, prompts, max_num_batched_tokens=512)
+    for kw in (
+        dict(max_num_batched_tokens=24, workspace_size=32),
+        dict(max_num_batched_tokens=64, max_num_seqs=2),
+        dict(max_num_batched_tokens=40, num_blocks=7, block_size=16),  # requests wait for blocks
+    ):
+        _, reqs = _run(tiny, prompts, **kw)
+        assert [r.output_ids for r in reqs] == [r.output_ids for r in base], kw
+
+
+def test_one_compilation_per_bucket(tiny, rng):
+    logs = []
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 30, 12)]
+    engine, _ = _run(tiny, prompts, max_num_batched_tokens=16, log=logs.append)
+    buckets = engine.stats.buckets
+    assert len(set(buckets)) == len(buckets) == engine._step_fn._cache_size()
+    assert sum("compiled bucket" in m for m in logs) == len(buckets)
+    assert any("tok/s" in m for m in logs)
+
+
+def test_seeded_sampling_is_reproducible(tiny, rng):
+    prompts = [rng.integers(0, 512, 6).tolist()]
+
+    def sample(seed):
+        engine = Engine(
+            tiny, EngineConfig(num_blocks=8, impl="reference"), seed=seed, log=lambda _: None
+        )
+        return engine.generate([Request(prompts[0], 12, temperature=1.5)])[0].output_ids
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_bad_requests(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=2, block_size=16, impl="reference"))
+    with pytest.raises(CacheFullError, match="needs 3 cache blocks of 16; the cache has 2"):
+        engine.generate([Request(list(range(40)), 5)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([Request([3, 600], 5)])
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([Request([], 5)])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate([Request([1], 2000)])
+    with pytest.raises(ValueError, match="workspace_size"):
+        EngineConfig(block_size=16, workspace_size=8)
+
+
+def test_generate_script(tmp_path):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, MLA_JAX_CACHE=str(tmp_path / "cache"))
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "generate.py"),
+        "--model",
+        "tiny",
+        "--prompt-ids",
+        "3,14,15",
+        "--prompt-ids",
+        "9,2,6,5,3,5,8,9,7,9,3,2,3,8,4,6",
+        "--max-new-tokens",
+        "4",
+        "--max-num-batched-tokens",
+        "8",
+        "--output",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert [o["prompt_ids"] for o in result["outputs"]] == [
+        [3, 14, 15],
+        [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6],
+    ]
+    assert all(len(o["generated_ids"]) == 4 for o in result["outputs"])
+    assert result["stats"]["generated_tokens"] == 8 and result["stats"]["buckets"]
+    assert "compiled bucket" in proc.stderr and "tok/s" in proc.stderr
+    bad = subprocess.run(
+        cmd[:4] + ["--prompt-ids", "1,x", "--max-new-tokens", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "comma-separated integers" in bad.stderr

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from mla_jax.config import MLAConfig, ModelConfig, config_to_dict
+from mla_jax.model import DeepseekModel, MoENotSupportedError
+from mla_jax.weights import WeightsError, load_model, save_checkpoint
+
+CFG = ModelConfig(
+    model_type="deepseek_v3",
+    vocab_size=40,
+    num_layers=2,
+    intermediate_size=24,
+    num_nextn_predict_layers=1,
+    mla=MLAConfig(
+        hidden_size=16,
+        num_heads=2,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+    ),
+)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    save_checkpoint(DeepseekModel(CFG, rngs=nnx.Rngs(3)), tmp_path)
+    return tmp_path
+
+
+def _params(model):
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
+def _rewrite(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_sharded_equals_single_file(ckpt, tmp_path_factory):
+    _, single = load_model(ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    sharded = tmp_path_factory.mktemp("sharded")
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, sharded / file)
+        weight_map.update({n: file for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (sharded / "config.json").write_text((ckpt / "config.json").read_text())
+    _, model = load_model(sharded)
+    a, b = _params(single), _params(model)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_bfloat16_load(ckpt):
+    _, model = load_model(ckpt, dtype=jnp.bfloat16)
+    assert {v.dtype for v in _params(model).values()} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_missing_tensor_is_named(ckpt):
+    _rewrite(ckpt, lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"))
+    with pytest.raises(
+        WeightsError, match=r"lacks tensors: model\.layers\.1\.self_attn\.kv_b_proj"
+    ):
+        load_model(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    _rewrite(ckpt, lambda t: t.update({"model.layers.0.self_attn.bogus": np.ones(3, np.float32)}))
+    with pytest.raises(
+        WeightsError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.bogus"
+    ):
+        load_model(ckpt)
+
+
+def test_misshaped_tensor_is_named(ckpt):
+    name = "model.layers.0.self_attn.o_proj.weight"
+    _rewrite(ckpt, lambda t: t.update({name: np.ones((16, 9), np.float32)}))
+    with pytest.raises(
+        WeightsError, match=rf"{name} has shape \(16, 9\), the config needs \(16, 8\)"
+    ):
+        load_model(ckpt)
+
+
+def test_mtp_layer_and_rotary_buffers_are_ignored(ckpt):
+    extra = {
+        "model.layers.2.self_attn.q_a_proj.weight": np.ones((8, 16), np.float32),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2, np.float32),
+    }
+    _rewrite(ckpt, lambda t: t.update(extra))
+    load_model(ckpt)
+
+
+def test_no_checkpoint_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config_to_dict(CFG)))
+    with pytest.raises(WeightsError, match="no model.safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}})
+    )
+    with pytest.raises(WeightsError, match="missing shard gone.safetensors"):
+        load_model(tmp_path)
+
+
+def test_moe_layer_is_refused_by_name(tmp_path):
+    d = dict(config_to_dict(CFG), n_routed_experts=8, first_k_dense_replace=1)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(MoENotSupportedError, match="layer 1 is a mixture-of-experts"):
+        load_model(tmp_path)
