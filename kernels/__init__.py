@@ -1,12 +1,16 @@
 """MLA attention kernels: Pallas (Triton lowering on GPU, interpret mode elsewhere) and their
-pure-jnp references, behind one selector."""
+pure-jnp references, behind one selector, plus the host-side plan the Pallas kernels'
+schedules are built with."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
-from . import reference
+import jax
+
+from . import decode, merge, prefill, reference
 
 
 class KernelSet(NamedTuple):
@@ -16,10 +20,37 @@ class KernelSet(NamedTuple):
 
 
 REFERENCE = KernelSet(reference.mla_decode, reference.flash_prefill, reference.merge_attn_states)
+PALLAS = KernelSet(decode.mla_decode, prefill.flash_prefill, merge.merge_attn_states)
 
 
 def select(impl: str = "auto") -> KernelSet:
-    """``"reference"``: the pure-jnp kernels; ``"auto"``: the fastest on this backend."""
-    if impl in ("auto", "reference"):
+    """``"pallas"``: the Pallas kernels (compiled through Triton on GPUs, interpreted
+    elsewhere); ``"reference"``: the pure-jnp references; ``"auto"``: Pallas on GPUs, the
+    references elsewhere (interpret mode is for tests, not speed)."""
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl == "pallas":
+        return PALLAS
+    if impl == "reference":
         return REFERENCE
-    raise ValueError(f"unknown kernel implementation {impl!r} (expected 'auto' or 'reference')")
+    raise ValueError(f"unknown kernel implementation {impl!r} (auto, pallas or reference)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What the host needs to schedule the Pallas kernels of a model with ``num_heads``
+    heads on a GPU with ``num_sms`` multiprocessors."""
+
+    num_heads: int
+    num_sms: int = decode.DEFAULT_NUM_SMS
+    prefill_block_q: int = prefill.DEFAULT_BLOCK_Q
+
+    @property
+    def decode_target_items(self) -> int:
+        block_h = decode.default_block_h(self.num_heads)
+        return decode.default_target_items(self.num_heads, block_h, self.num_sms)
+
+    @classmethod
+    def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:
+        device = device or jax.devices()[0]
+        return cls(num_heads, getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS)

@@ -33,6 +33,7 @@ def mla_decode(
     seq_lens: jax.Array,
     *,
     scale: float,
+    schedule=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode: MQA of ``[q_lat, q_pe]`` over the paged latent cache.
 
@@ -43,10 +44,12 @@ def mla_decode(
       block_table: ``[B, W]`` int32 block ids of each sequence.
       seq_lens: ``[B]`` int32 keys per sequence (0: empty row).
       scale: softmax scale.
+      schedule: the Pallas kernel's work plan; ignored here.
 
     Returns:
       ``out [B, N, Lkv]`` (q_lat's dtype) and ``lse [B, N]`` float32.
     """
+    del schedule
     num_lat = q_lat.shape[-1]
     b, w = block_table.shape
     block_size = kv_cache.shape[1]
@@ -78,6 +81,7 @@ def flash_prefill(
     *,
     scale: float,
     causal: bool,
+    schedule=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged attention with LSE over flattened sequences.
 
@@ -88,10 +92,12 @@ def flash_prefill(
       scale: softmax scale.
       causal: query i of a sequence sees its keys up to ``i + (len_k - len_q)`` (queries
         aligned to the end of the keys); otherwise all of its keys.
+      schedule: the Pallas kernel's tile plan; ignored here.
 
     Returns:
       ``out [Tq, N, Dv]`` (q's dtype) and ``lse [Tq, N]`` float32.
     """
+    del schedule
     seg_q, off_q = _segments(cu_seqlens_q, q.shape[0])
     seg_k, off_k = _segments(cu_seqlens_k, k.shape[0])
     mask = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)

@@ -121,6 +121,7 @@ class MLAAttention(nnx.Module):
             md.block_table,
             md.seq_lens,
             scale=self.cfg.softmax_scale,
+            schedule=md.schedule,
         )
         return jnp.einsum("bnl,lnv->bnv", o_lat, self.W_UV.astype(o_lat.dtype))
 
@@ -151,6 +152,7 @@ class MLAAttention(nnx.Module):
             md.query_start_loc,
             scale=self.cfg.softmax_scale,
             causal=True,
+            schedule=md.schedule,
         )
         if md.chunks is None:
             return out
@@ -182,6 +184,7 @@ class MLAAttention(nnx.Module):
                 cu_seq_lens,
                 scale=self.cfg.softmax_scale,
                 causal=False,
+                schedule=md.schedule,
             )
             return ks.merge_attn_states(*carry, o, lse), None
 

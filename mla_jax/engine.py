@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels
+
 from .cache import BlockAllocator, CacheFullError, init_cache
 from .config import ModelConfig
 from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
@@ -119,6 +121,11 @@ class Engine:
             dtype,
         )
         self.allocator = BlockAllocator(cfg.num_blocks)
+        self.kernel_plan = (
+            kernels.KernelPlan.for_device(self.model_cfg.mla.num_heads)
+            if kernels.select(cfg.impl) is kernels.PALLAS
+            else None
+        )
         self.key = jax.random.key(seed)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
@@ -210,6 +217,7 @@ class Engine:
             num_blocks=self.cfg.num_blocks,
             workspace_size=self.cfg.workspace_size,
             buckets=self.cfg.buckets,
+            kernel_plan=self.kernel_plan,
         )
         input_ids = np.zeros(md.positions.shape[0], np.int32)
         input_ids[md.token_rows()] = ids

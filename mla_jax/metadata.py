@@ -21,6 +21,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+import kernels
+from kernels import decode as decode_kernel
+from kernels import prefill as prefill_kernel
+
 from .cache import PAD_SLOT
 
 
@@ -94,6 +98,7 @@ class ChunkedContext:
 class DecodeMetadata:
     block_table: np.ndarray  # [Bd, Wd] int32; unused entries are block 0
     seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
+    schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +109,7 @@ class PrefillMetadata:
     context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
     block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
     chunks: ChunkedContext | None  # None when no prefill has cached context
+    schedule: prefill_kernel.TileSchedule | None = None  # query tiles (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -169,6 +175,7 @@ def build_metadata(
     num_blocks: int,
     workspace_size: int,
     buckets: Buckets = Buckets(),
+    kernel_plan: kernels.KernelPlan | None = None,
 ) -> AttentionMetadata:
     """Metadata of one step, padded to buckets.
 
@@ -180,6 +187,8 @@ def build_metadata(
         ``cdiv(context + query, block_size)`` are ignored.
       block_size, num_blocks: the cache's geometry (block ids must be < num_blocks).
       workspace_size: the most cached-context rows gathered at once (vLLM's bound).
+      kernel_plan: when given, also the Pallas kernels' work schedules (split-KV items,
+        query tiles), sized by the buckets so that they add no compilations.
     """
     ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
     num_reqs = ctx.shape[0]
@@ -213,21 +222,39 @@ def build_metadata(
 
     decode = None
     if nd:
+        d_lens = _pad(seq_lens[:nd], bd)
+        schedule = None
+        if kernel_plan is not None:
+            target = kernel_plan.decode_target_items
+            schedule = decode_kernel.plan(
+                d_lens,
+                target_items=target,
+                block_k=decode_kernel.DEFAULT_BLOCK_K,
+                num_items=decode_kernel.max_items(bd, target),
+            )
         decode = DecodeMetadata(
             block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),
-            seq_lens=_pad(seq_lens[:nd], bd),
+            seq_lens=d_lens,
+            schedule=schedule,
         )
     prefill = None
     if npf:
         p_ctx = ctx[nd:]
         qsl = np.full(bp + 1, n_tok - nd, np.int32)
         qsl[: npf + 1] = cu[nd:] - nd
+        schedule = None
+        if kernel_plan is not None:
+            block_q = kernel_plan.prefill_block_q
+            schedule = prefill_kernel.plan(
+                qsl, tp, block_q, num_tiles=prefill_kernel.max_tiles(tp, bp, block_q)
+            )
         prefill = PrefillMetadata(
             query_start_loc=qsl,
             seq_lens=_pad(seq_lens[nd:], bp),
             context_lens=_pad(p_ctx, bp),
             block_table=_pad_table(bt[nd:], p_ctx, bp, buckets, block_size),
             chunks=_plan_chunks(_pad(p_ctx, bp), block_size, workspace_size, buckets),
+            schedule=schedule,
         )
     return AttentionMetadata(
         positions=positions,

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import datetime
 import glob
+import gzip
 import json
 import os
 import platform
 import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks")
@@ -40,6 +47,79 @@ def machine() -> str:
     except OSError:
         pass
     return f"CPU: {platform.processor() or platform.machine()}"
+
+
+def _gpu_kernel_events(trace: dict) -> list[dict]:
+    """Kernel executions (CUPTI) of the GPU streams in a perfetto trace."""
+    events = trace["traceEvents"]
+    gpu_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"]["name"]
+    }
+    streams = {
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and e["pid"] in gpu_pids
+        and "Stream" in e["args"]["name"]
+    }
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+
+
+def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> tuple[float, str]:
+    """Median device time of ``fn(*args)`` in microseconds, warm, rotating through
+    ``arg_sets`` (distinct buffers, so that data left in L2 by one call does not serve the
+    next). On a GPU it is the summed duration of the call's kernels as CUPTI timestamps them
+    (the profiler's device events); elsewhere, wall clock around ``block_until_ready``.
+    Returns ``(microseconds, method)``."""
+    for _ in range(warmup):
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
+    if jax.default_backend() == "gpu":
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d, create_perfetto_trace=True)
+            for i in range(reps):
+                with jax.profiler.TraceAnnotation(f"bench_call_{i}"):
+                    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+            jax.profiler.stop_trace()
+            [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+            with gzip.open(path) as f:
+                trace = json.load(f)
+        calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("bench_call_")]
+        kernels = _gpu_kernel_events(trace)
+        if os.environ.get("BENCH_DEBUG_TRACE"):
+            names = sorted(
+                {
+                    (e["name"], e["args"]["name"])
+                    for e in trace["traceEvents"]
+                    if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")
+                }
+            )
+            print(
+                "trace tracks:", names[:40], "kernels:", sorted({k["name"] for k in kernels})[:10]
+            )
+        per_call = [
+            sum(k["dur"] for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]) for c in calls
+        ]
+        if len(per_call) == reps and min(per_call) > 0:
+            return float(np.median(per_call)), "cupti"
+        print(f"warning: no kernel events in the trace ({len(kernels)} found); timing wall clock")
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6, "wall"
+
+
+def copy_bandwidth_gbs(gib: float = 2.0) -> float:
+    """Device copy bandwidth (bytes read + written per second), from an elementwise pass."""
+    n = int(gib * 2**30) // 2
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(2)]
+    us, _ = time_us(jax.jit(lambda x: x * 2), [(x,) for x in xs], reps=10)
+    return 2 * n * 2 / (us * 1e-6) / 1e9
 
 
 def save(

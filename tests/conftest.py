@@ -13,6 +13,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from kernels import KernelPlan  # noqa: E402
 from mla_jax.config import MLAConfig, RopeConfig  # noqa: E402
 from mla_jax.metadata import build_metadata  # noqa: E402
 from mla_jax.rope import cos_sin_scale, inv_freq  # noqa: E402
@@ -106,6 +107,7 @@ class Step:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             workspace_size=self.workspace_size,
+            kernel_plan=KernelPlan(attn.cfg.num_heads, num_sms=4) if impl == "pallas" else None,
         )
         x = np.zeros((md.positions.shape[0], requests[0][1].shape[1]), np.float32)
         x[md.token_rows()] = np.concatenate([x for _, x in requests])

@@ -1,0 +1,88 @@
+"""Pieces shared by the Pallas kernels: the online softmax, the LSE merge, dots, and backend
+selection.
+
+Inside a kernel, scores live in the log2 domain (already multiplied by
+``scale * log2(e)``) so that ``exp2`` replaces ``exp``; ``finalize`` hands back the natural
+log LSE of the contract. A row that has seen no key keeps ``m = -inf`` and ``l = 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def interpret_default() -> bool:
+    """Pallas runs compiled (Triton) on GPUs and in interpret mode anywhere else."""
+    return jax.default_backend() != "gpu"
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """2-D ``a @ b`` (or ``a @ b.T``) accumulated in float32; exact for float32 operands
+    (Triton would otherwise round them to tf32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((1,), (1,) if trans_b else (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+class SoftmaxState(NamedTuple):
+    acc: jax.Array  # [rows, width] float32: sum_j 2^(s_j - m) v_j
+    m: jax.Array  # [rows] float32: running max of the log2 scores
+    l: jax.Array  # [rows] float32: sum_j 2^(s_j - m)
+
+
+def init(rows: int, width: int) -> SoftmaxState:
+    return SoftmaxState(
+        jnp.zeros((rows, width), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def update(state: SoftmaxState, s: jax.Array, v: jax.Array) -> SoftmaxState:
+    """Folds in a block of log2-domain scores ``s [rows, cols]`` (masked keys at -inf) and
+    their values ``v [cols, width]``."""
+    m_new = jnp.maximum(state.m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # keeps -inf - -inf out
+    alpha = jnp.exp2(state.m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    acc = state.acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    return SoftmaxState(acc, m_new, state.l * alpha + jnp.sum(p, axis=1))
+
+
+def finalize(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
+    """``(out [rows, width], lse [rows])``: normalised float32 output and natural-log LSE;
+    rows without keys give 0 and -inf."""
+    nonempty = state.l > 0
+    out = state.acc / jnp.where(nonempty, state.l, 1.0)[:, None]
+    lse = jnp.where(
+        nonempty, (state.m + jnp.log2(jnp.where(nonempty, state.l, 1.0))) * LN2, -jnp.inf
+    )
+    return out, lse
+
+
+def merge(
+    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """LSE-merge of two partial results over disjoint keys, in float32 (``out [rows, width]``,
+    ``lse [rows]``, natural log). A -inf side contributes nothing; two -inf sides give 0 and
+    -inf, never NaN."""
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w_a = jnp.exp(lse_a - m)
+    w_b = jnp.exp(lse_b - m)
+    denom = w_a + w_b
+    inv = 1.0 / jnp.where(denom > 0, denom, 1.0)
+    out = (
+        out_a.astype(jnp.float32) * (w_a * inv)[:, None]
+        + out_b.astype(jnp.float32) * (w_b * inv)[:, None]
+    )
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse
