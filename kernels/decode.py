@@ -1,11 +1,14 @@
 """Paged absorbed MLA decode (Pallas, Triton lowering): split-KV with an LSE combine.
 
 Every decode query is MQA over the latent cache: keys ``[kv_c, k_pe]`` (576 = 512 + 64 wide,
-loaded as two power-of-two tiles), values ``kv_c``. Work is cut into *items*, each a
-contiguous KV range of one request, balanced by tokens as FlashMLA's scheduler does (see
-``plan``); a program handles one item for one block of heads and reads its tokens straight
-from the paged cache through the block table. A second kernel LSE-merges the items of each
-request.
+loaded as two power-of-two tiles), values ``kv_c``. As in FlashMLA, a fixed number of
+programs per block of heads (a multiple of the multiprocessor count) each take an equal
+share of the batch's KV tokens, whatever the mix of lengths: ``plan`` cuts the token stream
+of the batch at request and share boundaries into *items* (a contiguous KV range of one
+request) and hands each program its consecutive items. Every token is read straight from
+the paged cache through the block table, once per block of heads. An item that covers a
+whole request writes the final output; the items of split requests leave float32 partial
+results that a second kernel LSE-merges.
 """
 
 from __future__ import annotations
@@ -31,127 +34,172 @@ def default_block_h(num_heads: int) -> int:
     return min(num_heads, 64)
 
 
-class DecodeSchedule(NamedTuple):
-    """Items of work: item ``i`` covers KV tokens ``[item_start[i], item_end[i])`` of request
-    ``item_req[i]``; request ``b`` owns items ``[req_items[b], req_items[b + 1])``. Items past
-    ``req_items[-1]`` are padding (empty)."""
+def default_num_programs(num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Programs per block of heads: one per multiprocessor in all."""
+    return max(1, num_sms // (num_heads // default_block_h(num_heads)))
 
-    item_req: jax.Array  # [P] int32
-    item_start: jax.Array  # [P] int32
-    item_end: jax.Array  # [P] int32
+
+class DecodeSchedule(NamedTuple):
+    """Program ``p`` runs items ``[prog_items[p], prog_items[p + 1])``; item ``i`` covers KV
+    tokens ``[item_start[i], item_end[i])`` of request ``item_req[i]``; request ``b`` owns
+    items ``[req_items[b], req_items[b + 1])``. Items past ``req_items[-1]`` are padding."""
+
+    prog_items: jax.Array  # [P + 1] int32
+    item_req: jax.Array  # [I] int32
+    item_start: jax.Array  # [I] int32
+    item_end: jax.Array  # [I] int32
     req_items: jax.Array  # [B + 1] int32
 
 
 def plan(
-    seq_lens,
-    *,
-    target_items: int,
-    block_k: int,
-    num_items: int | None = None,
-    xp=np,
+    seq_lens: np.ndarray, *, num_programs: int, block_k: int, num_items: int | None = None
 ) -> DecodeSchedule:
-    """Splits every request into about ``len / (total / target_items)`` equal parts (rounded
-    to ``block_k`` tokens), so that items carry similar token counts whatever the mix of
-    lengths. Empty requests get no item.
-
-    Runs on the host (``xp=np``: ``num_items`` defaults to the exact count) or traced on the
-    device (``xp=jnp``: ``num_items`` must be a static bound, see ``max_items``).
-    """
-    seq_lens = xp.asarray(seq_lens).astype(xp.int32)
-    total = xp.maximum(xp.sum(seq_lens), 1)
-    ideal = xp.maximum(total / target_items, 1.0)
-    parts = xp.where(seq_lens > 0, xp.maximum(xp.round(seq_lens / ideal), 1), 0)
-    part = -(-seq_lens // xp.maximum(parts, 1)).astype(xp.int32)
-    part = xp.maximum(-(-part // block_k) * block_k, block_k)
-    counts = -(-seq_lens // part)
-    req_items = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
-    if num_items is None:
-        num_items = int(req_items[-1])
-    i = xp.arange(num_items, dtype=xp.int32)
-    req = xp.clip(xp.searchsorted(req_items, i, side="right") - 1, 0, seq_lens.shape[0] - 1)
-    real = i < req_items[-1]
-    start = (i - req_items[req]) * part[req]
-    end = xp.minimum(start + part[req], seq_lens[req])
+    """Host-side (NumPy) schedule: program ``p`` gets tokens ``[p * share, (p + 1) * share)``
+    of the batch's concatenated KV, ``share`` rounded up to whole ``block_k`` steps. Empty
+    requests get no item. ``num_items`` pads the item arrays to a static size (at least
+    ``max_items(B, num_programs)``; default: the exact count)."""
+    lens = np.asarray(seq_lens, np.int64)
+    cum = np.concatenate([[0], np.cumsum(lens)])
+    total = int(cum[-1])
+    share = -(-total // num_programs)
+    share = max(block_k, -(-share // block_k) * block_k)
+    cuts = np.union1d(cum[:-1][lens > 0], np.arange(1, -(-total // share)) * share)
+    ends = np.append(cuts[1:], total)
+    req = np.searchsorted(cum, cuts, side="right") - 1
+    prog_items = np.searchsorted(cuts // share, np.arange(num_programs + 1), side="left")
+    req_items = np.searchsorted(req, np.arange(len(lens) + 1), side="left")
+    pad = (num_items or len(cuts)) - len(cuts)
+    if pad < 0:
+        raise ValueError(f"num_items {num_items} < the {len(cuts)} items this batch needs")
+    fill = lambda a: np.concatenate([a, np.zeros(pad, np.int64)]).astype(np.int32)  # noqa: E731
     return DecodeSchedule(
-        xp.where(real, req, 0).astype(xp.int32),
-        xp.where(real, start, 0).astype(xp.int32),
-        xp.where(real, end, 0).astype(xp.int32),
-        req_items,
+        prog_items.astype(np.int32),
+        fill(req),
+        fill(cuts - cum[req]),
+        fill(ends - cum[req]),
+        req_items.astype(np.int32),
     )
 
 
-def max_items(batch: int, target_items: int) -> int:
-    """A static bound on ``plan``'s item count: rounding adds at most one item per request
-    above ``target_items``, and each non-empty request has at least one."""
-    return 2 * batch + target_items
+def max_items(batch: int, num_programs: int) -> int:
+    """Items of any batch of ``batch`` requests: one per request start plus one per share
+    boundary."""
+    return batch + num_programs
 
 
-def default_target_items(num_heads: int, block_h: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """About two programs per multiprocessor."""
-    return max(1, 2 * num_sms // (num_heads // block_h))
+def _whole_requests(seq_lens: jax.Array) -> DecodeSchedule:
+    """The device-side fallback when no host schedule is given: one program and one item per
+    request, no split (correct for any lengths; balanced only for uniform ones)."""
+    b = seq_lens.shape[0]
+    idx = jnp.arange(b + 1, dtype=jnp.int32)
+    return DecodeSchedule(idx, idx[:-1], jnp.zeros(b, jnp.int32), seq_lens, idx)
 
 
 def _decode_kernel(
+    prog_items_ref,
     item_req_ref,
     item_start_ref,
     item_end_ref,
+    seq_lens_ref,
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
     kv_ref,
-    o_ref,
+    out_ref,
     lse_ref,
+    o_part_ref,
+    lse_part_ref,
     *,
     scale: float,
     block_h: int,
     block_k: int,
     block_size: int,
 ):
-    """One item x one block of heads: online softmax over the item's KV tokens."""
-    h, i = pl.program_id(0), pl.program_id(1)
-    req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
+    """One program x one block of heads: online softmax over each of its items."""
+    h, p = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(h * block_h, block_h)
     num_lat = q_lat_ref.shape[-1]
     rope = q_pe_ref.shape[-1]
     width = block_table_ref.shape[-1]
-    q_lat = q_lat_ref[req, heads, :]
-    q_pe = q_pe_ref[req, heads, :]
 
-    def body(step, state):
-        tok = start + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        page = block_table_ref[req, jnp.minimum(tok // block_size, width - 1)]
-        rows = page * block_size + tok % block_size
-        kv_c = kv_ref[rows, pl.ds(0, num_lat)]
-        k_pe = kv_ref[rows, pl.ds(num_lat, rope)]
-        s = osm.dot(q_lat, kv_c, trans_b=True) + osm.dot(q_pe, k_pe, trans_b=True)
-        s = jnp.where((tok < end)[None, :], s * (scale * osm.LOG2E), -jnp.inf)
-        return osm.update(state, s, kv_c)
+    def item(i, carry):
+        req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
+        q_lat = q_lat_ref[req, heads, :]
+        q_pe = q_pe_ref[req, heads, :]
 
-    state = jax.lax.fori_loop(0, pl.cdiv(end - start, block_k), body, osm.init(block_h, num_lat))
-    out, lse = osm.finalize(state)
+        def step(j, state):
+            tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            page = block_table_ref[req, jnp.minimum(tok // block_size, width - 1)]
+            rows = page * block_size + tok % block_size
+            kv_c = kv_ref[rows, pl.ds(0, num_lat)]
+            k_pe = kv_ref[rows, pl.ds(num_lat, rope)]
+            s = osm.dot(q_lat, kv_c, trans_b=True) + osm.dot(q_pe, k_pe, trans_b=True)
+            s = jnp.where((tok < end)[None, :], s * (scale * osm.LOG2E), -jnp.inf)
+            return osm.update(state, s, kv_c)
 
-    @pl.when(start < end)  # padding items write nothing: no request reads them
-    def _():
-        o_ref[i, heads, :] = out
-        lse_ref[i, heads] = lse
+        state = jax.lax.fori_loop(
+            0, pl.cdiv(end - start, block_k), step, osm.init(block_h, num_lat)
+        )
+        out, lse = osm.finalize(state)
+        whole = (start == 0) & (end == seq_lens_ref[req])
+
+        @pl.when(whole)
+        def _():
+            out_ref[req, heads, :] = out.astype(out_ref.dtype)
+            lse_ref[req, heads] = lse
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+            o_part_ref[i, heads, :] = out
+            lse_part_ref[i, heads] = lse
+
+        return carry
+
+    jax.lax.fori_loop(prog_items_ref[p], prog_items_ref[p + 1], item, 0)
 
 
-def _combine_kernel(req_items_ref, o_part_ref, lse_part_ref, o_ref, lse_ref, *, block_h: int):
-    """LSE-merges the items of one request (none: out 0, lse -inf)."""
-    h, b = pl.program_id(0), pl.program_id(1)
-    heads = pl.ds(h * block_h, block_h)
+def _combine_kernel(
+    req_items_ref,
+    o_part_ref,
+    lse_part_ref,
+    _out_in,
+    _lse_in,
+    out_ref,
+    lse_ref,
+    *,
+    block_h: int,
+    block_d: int,
+    block_items: int,
+):
+    """LSE-merges the partial results of one split request (``block_items`` at a time) for
+    ``block_h`` heads x ``block_d`` latent dims; empty requests get 0 and -inf; requests of
+    one item were written by the decode kernel and are left alone."""
+    h, b, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads, dims = pl.ds(h * block_h, block_h), pl.ds(d * block_d, block_d)
     first, last = req_items_ref[b], req_items_ref[b + 1]
 
-    def body(i, carry):
-        return osm.merge(*carry, o_part_ref[i, heads, :], lse_part_ref[i, heads])
+    def body(k, state):
+        i = first + k * block_items
+        ok = i + jnp.arange(block_items) < last
+        o = plgpu.load(
+            o_part_ref.at[pl.ds(i, block_items), heads, dims], mask=ok[:, None, None], other=0.0
+        )
+        lse = plgpu.load(
+            lse_part_ref.at[pl.ds(i, block_items), heads], mask=ok[:, None], other=-jnp.inf
+        )
+        return osm.merge_block(state, o, lse)
 
-    init = (
-        jnp.zeros((block_h, o_part_ref.shape[-1]), jnp.float32),
-        jnp.full((block_h,), -jnp.inf, jnp.float32),
-    )
-    out, lse = jax.lax.fori_loop(first, last, body, init)
-    o_ref[b, heads, :] = out.astype(o_ref.dtype)
-    lse_ref[b, heads] = lse
+    @pl.when(last - first != 1)
+    def _():
+        state = jax.lax.fori_loop(
+            0, pl.cdiv(last - first, block_items), body, osm.init(block_h, block_d)
+        )
+        out, lse = osm.finalize(state, log2_domain=False)
+        out_ref[b, heads, dims] = out.astype(out_ref.dtype)
+
+        @pl.when(d == 0)
+        def _():
+            lse_ref[b, heads] = lse
 
 
 def _check(q_lat, q_pe, kv_cache, block_table, seq_lens, block_h):
@@ -221,9 +269,10 @@ def mla_decode(
     schedule: DecodeSchedule | None = None,
     block_h: int | None = None,
     block_k: int = DEFAULT_BLOCK_K,
-    target_items: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    combine_block_d: int = 128,
+    combine_block_items: int = 4,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache.
@@ -235,9 +284,10 @@ def mla_decode(
       block_table: ``[B, W]`` int32; ``W * block_size`` must cover every ``seq_lens``.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
-      schedule: the split-KV plan (``plan`` on the host, from the metadata); None plans on
-        the device with a static bound on the item count.
+      schedule: the split-KV plan (``plan``, built on the host from the metadata); None
+        runs each request whole in a program of its own.
       block_h, block_k: heads and KV tokens per program step; num_warps, num_stages: Triton.
+      combine_block_d, combine_block_items: the merge kernel's latent dims and items per step.
 
     Returns:
       ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
@@ -257,9 +307,10 @@ def mla_decode(
         scale=scale,
         block_h=block_h,
         block_k=block_k,
-        target_items=target_items,
         num_warps=num_warps,
         num_stages=num_stages,
+        combine_block_d=min(combine_block_d, q_lat.shape[-1]),
+        combine_block_items=combine_block_items,
         interpret=interpret,
     )
 
@@ -270,9 +321,10 @@ def mla_decode(
         "scale",
         "block_h",
         "block_k",
-        "target_items",
         "num_warps",
         "num_stages",
+        "combine_block_d",
+        "combine_block_items",
         "interpret",
     ),
 )
@@ -287,54 +339,58 @@ def _mla_decode(
     scale,
     block_h,
     block_k,
-    target_items,
     num_warps,
     num_stages,
+    combine_block_d,
+    combine_block_items,
     interpret,
 ):
     b, n, lkv = q_lat.shape
     num_blocks, block_size, width = kv_cache.shape
-    if target_items is None:
-        target_items = default_target_items(n, block_h)
     if schedule is None:
-        schedule = plan(
-            seq_lens,
-            target_items=target_items,
-            block_k=block_k,
-            num_items=max_items(b, target_items),
-            xp=jnp,
-        )
+        schedule = _whole_requests(seq_lens)
+    num_programs = schedule.prog_items.shape[0] - 1
     num_items = schedule.item_req.shape[0]
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    o_part, lse_part = pl.pallas_call(
+    out, lse, o_part, lse_part = pl.pallas_call(
         functools.partial(
             _decode_kernel, scale=scale, block_h=block_h, block_k=block_k, block_size=block_size
         ),
-        grid=(n // block_h, num_items),
+        grid=(n // block_h, num_programs),
         out_shape=(
+            jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
+            jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((num_items, n, lkv), jnp.float32),
             jax.ShapeDtypeStruct((num_items, n), jnp.float32),
         ),
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_decode",
     )(
+        schedule.prog_items,
         schedule.item_req,
         schedule.item_start,
         schedule.item_end,
+        seq_lens,
         block_table,
         q_lat,
         q_pe,
         kv_cache.reshape(num_blocks * block_size, width),
     )
+    combine_h = 16
     return pl.pallas_call(
-        functools.partial(_combine_kernel, block_h=block_h),
-        grid=(n // block_h, b),
+        functools.partial(
+            _combine_kernel,
+            block_h=combine_h,
+            block_d=combine_block_d,
+            block_items=combine_block_items,
+        ),
+        grid=(n // combine_h, b, lkv // combine_block_d),
         out_shape=(
             jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, n), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="mla_decode_combine",
-    )(schedule.req_items, o_part, lse_part)
+    )(schedule.req_items, o_part, lse_part, out, lse)

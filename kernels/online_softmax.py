@@ -57,15 +57,15 @@ def update(state: SoftmaxState, s: jax.Array, v: jax.Array) -> SoftmaxState:
     return SoftmaxState(acc, m_new, state.l * alpha + jnp.sum(p, axis=1))
 
 
-def finalize(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
+def finalize(state: SoftmaxState, *, log2_domain: bool = True) -> tuple[jax.Array, jax.Array]:
     """``(out [rows, width], lse [rows])``: normalised float32 output and natural-log LSE;
-    rows without keys give 0 and -inf."""
+    rows without keys give 0 and -inf. ``log2_domain``: whether ``state.m`` is a log2 score
+    (``update``) or a natural log (``merge_block``)."""
     nonempty = state.l > 0
-    out = state.acc / jnp.where(nonempty, state.l, 1.0)[:, None]
-    lse = jnp.where(
-        nonempty, (state.m + jnp.log2(jnp.where(nonempty, state.l, 1.0))) * LN2, -jnp.inf
-    )
-    return out, lse
+    l_safe = jnp.where(nonempty, state.l, 1.0)
+    out = state.acc / l_safe[:, None]
+    log_mass = (state.m + jnp.log2(l_safe)) * LN2 if log2_domain else state.m + jnp.log(l_safe)
+    return out, jnp.where(nonempty, log_mass, -jnp.inf)
 
 
 def merge(
@@ -86,3 +86,15 @@ def merge(
     )
     lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out, lse
+
+
+def merge_block(state: SoftmaxState, out: jax.Array, lse: jax.Array) -> SoftmaxState:
+    """Folds in a block of partial results over disjoint keys, ``out [items, rows, width]``
+    (each normalised) and natural-log ``lse [items, rows]`` (-inf: empty), weighting each by
+    its softmax mass. ``state.m`` is kept in the natural-log domain here."""
+    m_new = jnp.maximum(state.m, jnp.max(lse, axis=0))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(state.m - m_safe)
+    w = jnp.exp(lse - m_safe[None, :])
+    acc = state.acc * alpha[:, None] + jnp.sum(w[:, :, None] * out, axis=0)
+    return SoftmaxState(acc, m_new, state.l * alpha + jnp.sum(w, axis=0))

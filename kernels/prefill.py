@@ -115,31 +115,40 @@ def _prefill_kernel(
         shift = (k1 - k0) - (cu_q_ref[s_idx + 1] - q0)
         last_key = k0 + (rows - q0) + shift  # inclusive, per row
         k_hi = jnp.clip(k0 + (r1 - 1 - q0) + shift + 1, k0, k1)
+        k_all = jnp.clip(k0 + (r0 - q0) + shift + 1, k0, k1)  # keys every row of the tile sees
     else:
-        k_hi = k1
+        k_hi = k_all = k1
 
-    def body(step, state):
-        cols = k0 + step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    def body(step, state, *, masked: bool):
+        """One block of keys; ``masked`` only where a block crosses the diagonal or the end
+        of the keys (the other blocks skip the bounds checks)."""
+        first = k0 + step * block_k
+        cols = first + jnp.arange(block_k, dtype=jnp.int32)
         col_ok = cols < k_hi
+        load = (
+            functools.partial(plgpu.load, mask=col_ok[:, None], other=0)
+            if masked
+            else (lambda ref: ref[...])
+        )
         s = 0.0
         for qp, o, d in zip(qs, offsets, pieces, strict=True):
-            kp = plgpu.load(
-                k_ref.at[pl.ds(k0 + step * block_k, block_k), h, pl.ds(o, d)],
-                mask=col_ok[:, None],
-                other=0,
-            )
+            kp = load(k_ref.at[pl.ds(first, block_k), h, pl.ds(o, d)])
             s = s + osm.dot(qp, kp, trans_b=True)
-        v = plgpu.load(
-            v_ref.at[pl.ds(k0 + step * block_k, block_k), h, :], mask=col_ok[:, None], other=0
-        )
-        mask = col_ok[None, :]
-        if causal:
-            mask = mask & (cols[None, :] <= last_key[:, None])
-        s = jnp.where(mask, s * (scale * osm.LOG2E), -jnp.inf)
+        v = load(v_ref.at[pl.ds(first, block_k), h, :])
+        s = s * (scale * osm.LOG2E)
+        if masked:
+            mask = col_ok[None, :]
+            if causal:
+                mask = mask & (cols[None, :] <= last_key[:, None])
+            s = jnp.where(mask, s, -jnp.inf)
         return osm.update(state, s, v)
 
     state = osm.init(block_q, v_ref.shape[-1])
-    state = jax.lax.fori_loop(0, pl.cdiv(k_hi - k0, block_k), body, state)
+    num_clear = (k_all - k0) // block_k
+    state = jax.lax.fori_loop(0, num_clear, functools.partial(body, masked=False), state)
+    state = jax.lax.fori_loop(
+        num_clear, pl.cdiv(k_hi - k0, block_k), functools.partial(body, masked=True), state
+    )
     out, lse = osm.finalize(state)
     plgpu.store(o_ref.at[pl.ds(r0, block_q), h, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[pl.ds(r0, block_q), h], lse, mask=row_ok)
@@ -272,6 +281,9 @@ def _flash_prefill(
             xp=jnp,
         )
     block_q = schedule.block_q
+    if k.shape[0] < block_k:  # a whole block must be addressable (keys past cu_k are masked)
+        pad = ((0, block_k - k.shape[0]), (0, 0), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     kernel = functools.partial(
         _prefill_kernel,
         scale=scale,

@@ -225,12 +225,12 @@ def build_metadata(
         d_lens = _pad(seq_lens[:nd], bd)
         schedule = None
         if kernel_plan is not None:
-            target = kernel_plan.decode_target_items
+            programs = kernel_plan.decode_programs
             schedule = decode_kernel.plan(
                 d_lens,
-                target_items=target,
+                num_programs=programs,
                 block_k=decode_kernel.DEFAULT_BLOCK_K,
-                num_items=decode_kernel.max_items(bd, target),
+                num_items=decode_kernel.max_items(bd, programs),
             )
         decode = DecodeMetadata(
             block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),

@@ -52,9 +52,10 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     arg_sets = _inputs(rng, seq_lens, n, sets)
     variant = dict(variant or {})
     plan = KernelPlan.for_device(n)
-    target = variant.pop("target_items", plan.decode_target_items)
+    per_sm = variant.pop("programs_per_sm", 1)
+    programs = plan.decode_programs * per_sm * variant.get("block_h", 64) // min(n, 64)
     schedule = jax.device_put(
-        decode.plan(seq_lens, target_items=target, block_k=variant.get("block_k", 64))
+        decode.plan(seq_lens, num_programs=programs, block_k=variant.get("block_k", 64))
     )
     kernel = jax.jit(
         functools.partial(decode.mla_decode, scale=SCALE, schedule=schedule, **variant)
@@ -70,6 +71,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
         "GB/s": nbytes / us / 1e3,
         "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / us / 1e6,
         "items": int(schedule.req_items[-1]),
+        "programs": programs,
         "timing": method,
     }
     if with_reference:
@@ -107,15 +109,15 @@ def _ragged(rng):
 SWEEP = [
     dict(block_h=16, block_k=64, num_warps=4, num_stages=2),
     dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
-    dict(block_h=16, block_k=32, num_warps=4, num_stages=3),
-    dict(block_h=16, block_k=128, num_warps=8, num_stages=2),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=2, target_items=132),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=2, target_items=528),
+    dict(block_h=16, block_k=32, num_warps=4, num_stages=3, programs_per_sm=2),
+    dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2),
+    dict(block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_d=64),
+    dict(block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_items=8),
     dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-    dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
-    dict(block_h=64, block_k=64, num_warps=8, num_stages=1),
-    dict(block_h=32, block_k=64, num_warps=4, num_stages=2),
-    dict(block_h=32, block_k=64, num_warps=8, num_stages=2),
+    dict(block_h=64, block_k=64, num_warps=8, num_stages=3),
+    dict(block_h=64, block_k=32, num_warps=8, num_stages=3),
+    dict(block_h=64, block_k=64, num_warps=8, num_stages=2, programs_per_sm=2),
+    dict(block_h=32, block_k=64, num_warps=4, num_stages=3),
 ]
 
 

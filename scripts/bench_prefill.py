@@ -186,12 +186,11 @@ def merge_row(copy):
 
 SWEEP = [
     dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
-    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
     dict(block_q=128, block_k=32, num_warps=4, num_stages=3),
     dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
-    dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
 ]
 
 

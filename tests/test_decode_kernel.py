@@ -65,7 +65,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype):
     bs = block_size
     lens = [0, 1, bs, 2 * bs, bs + 3, 3 * bs - 1, int(rng.integers(1, 4 * bs))]
     args = _case(rng, lens, block_size=bs, dtype=dtype)
-    schedule = decode.plan(args[-1], target_items=9, block_k=32)
+    schedule = decode.plan(args[-1], num_programs=3, block_k=32)
     got = decode.mla_decode(
         *(jnp.asarray(a, dtype) for a in args[:3]),
         *map(jnp.asarray, args[3:]),
@@ -77,23 +77,19 @@ def test_lengths_and_block_sizes(rng, block_size, dtype):
 
 
 @pytest.mark.parametrize(
-    "n,block_h,target_items,host",
-    [
-        (16, 16, 1, True),
-        (16, 16, 40, True),
-        (32, 16, 5, True),
-        (32, 32, None, False),
-        (64, 32, 12, False),
-    ],
+    "n,block_h,num_programs",
+    [(16, 16, 1), (16, 16, 40), (32, 16, 5), (32, 32, None), (64, 32, 12)],
 )
-def test_heads_and_split_counts(rng, n, block_h, target_items, host):
-    """One item per request up to many; host plans and device-side plans; head blocks."""
+def test_heads_and_split_counts(rng, n, block_h, num_programs):
+    """Every request in one program, up to many programs per request; the device-side
+    fallback (no schedule: one program per request); several blocks of heads."""
     args = _case(rng, [130, 7, 64, 0, 201], n=n)
     kw = dict(scale=0.2, block_h=block_h, block_k=32)
-    if host:
-        kw["schedule"] = decode.plan(args[-1], target_items=target_items, block_k=32)
-    elif target_items:
-        kw["target_items"] = target_items
+    if num_programs:
+        kw["schedule"] = decode.plan(
+            args[-1], num_programs=num_programs, block_k=32,
+            num_items=decode.max_items(5, num_programs),
+        )
     got = decode.mla_decode(*map(jnp.asarray, args), **kw)
     _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
 
@@ -108,17 +104,19 @@ def test_deepseek_dims(rng):
 
 
 def test_plan_balances_tokens():
-    lens = np.array([16384, 10, 0, 3000])
-    s = decode.plan(lens, target_items=64, block_k=64)
-    sizes = s.item_end - s.item_start
-    assert (sizes > 0).all() and s.req_items[3] - s.req_items[2] == 0
-    for b in range(4):
+    """Programs get equal token shares (to a block); each request's items tile it in order."""
+    lens = np.array([16384, 10, 0, 3000, 1, 700])
+    s = decode.plan(lens, num_programs=32, block_k=64)
+    size = s.item_end - s.item_start
+    per_prog = [size[s.prog_items[p] : s.prog_items[p + 1]].sum() for p in range(32)]
+    share = -(-(-(-lens.sum() // 32)) // 64) * 64
+    assert max(per_prog) <= share and sum(per_prog) == lens.sum()
+    assert (size > 0).all() and len(size) <= decode.max_items(len(lens), 32)
+    for b in range(len(lens)):
         items = np.arange(s.req_items[b], s.req_items[b + 1])
         assert (s.item_req[items] == b).all()
-        covered = np.concatenate([np.arange(s.item_start[i], s.item_end[i]) for i in items] or [[]])
-        assert covered.tolist() == list(range(lens[b]))
-    long_items = sizes[s.item_req == 0]
-    assert long_items.max() <= 2 * 64 + lens.sum() / 64  # about total / target tokens each
+        covered = [t for i in items for t in range(s.item_start[i], s.item_end[i])]
+        assert covered == list(range(lens[b]))
 
 
 def test_outputs_start_poisoned():
