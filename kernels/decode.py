@@ -52,17 +52,24 @@ class DecodeSchedule(NamedTuple):
 
 
 def plan(
-    seq_lens: np.ndarray, *, num_programs: int, block_k: int, num_items: int | None = None
+    seq_lens: np.ndarray,
+    *,
+    num_programs: int,
+    block_k: int,
+    min_share: int = 0,
+    num_items: int | None = None,
 ) -> DecodeSchedule:
     """Host-side (NumPy) schedule: program ``p`` gets tokens ``[p * share, (p + 1) * share)``
-    of the batch's concatenated KV, ``share`` rounded up to whole ``block_k`` steps. Empty
-    requests get no item. ``num_items`` pads the item arrays to a static size (at least
+    of the batch's concatenated KV, ``share`` rounded up to whole ``block_k`` steps and at
+    least ``min_share`` (small batches then leave programs idle rather than split requests
+    into pieces too short to pay for their merge). Empty requests get no item.
+    ``num_items`` pads the item arrays to a static size (at least
     ``max_items(B, num_programs)``; default: the exact count)."""
     lens = np.asarray(seq_lens, np.int64)
     cum = np.concatenate([[0], np.cumsum(lens)])
     total = int(cum[-1])
-    share = -(-total // num_programs)
-    share = max(block_k, -(-share // block_k) * block_k)
+    share = max(-(-total // num_programs), min_share, 1)
+    share = -(-share // block_k) * block_k
     cuts = np.union1d(cum[:-1][lens > 0], np.arange(1, -(-total // share)) * share)
     ends = np.append(cuts[1:], total)
     req = np.searchsorted(cum, cuts, side="right") - 1
@@ -114,6 +121,7 @@ def _decode_kernel(
     block_h: int,
     block_k: int,
     block_size: int,
+    evict: str | None,
 ):
     """One program x one block of heads: online softmax over each of its items."""
     h, p = pl.program_id(0), pl.program_id(1)
@@ -121,6 +129,10 @@ def _decode_kernel(
     num_lat = q_lat_ref.shape[-1]
     rope = q_pe_ref.shape[-1]
     width = block_table_ref.shape[-1]
+    if evict:  # each KV row is read once per block of heads: keep it out of L2's way
+        load_kv = functools.partial(plgpu.load, eviction_policy=evict)
+    else:  # (interpret mode has no gathering plgpu.load)
+        load_kv = lambda ref: ref[...]  # noqa: E731
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
@@ -131,8 +143,8 @@ def _decode_kernel(
             tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
             page = block_table_ref[req, jnp.minimum(tok // block_size, width - 1)]
             rows = page * block_size + tok % block_size
-            kv_c = kv_ref[rows, pl.ds(0, num_lat)]
-            k_pe = kv_ref[rows, pl.ds(num_lat, rope)]
+            kv_c = load_kv(kv_ref.at[rows, pl.ds(0, num_lat)])
+            k_pe = load_kv(kv_ref.at[rows, pl.ds(num_lat, rope)])
             s = osm.dot(q_lat, kv_c, trans_b=True) + osm.dot(q_pe, k_pe, trans_b=True)
             s = jnp.where((tok < end)[None, :], s * (scale * osm.LOG2E), -jnp.inf)
             return osm.update(state, s, kv_c)
@@ -271,8 +283,10 @@ def mla_decode(
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = 4,
     num_stages: int = 2,
+    combine_block_h: int = 16,
     combine_block_d: int = 128,
     combine_block_items: int = 4,
+    evict_kv: bool = True,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache.
@@ -287,7 +301,9 @@ def mla_decode(
       schedule: the split-KV plan (``plan``, built on the host from the metadata); None
         runs each request whole in a program of its own.
       block_h, block_k: heads and KV tokens per program step; num_warps, num_stages: Triton.
-      combine_block_d, combine_block_items: the merge kernel's latent dims and items per step.
+      combine_block_h, combine_block_d, combine_block_items: the merge kernel's heads, latent
+        dims and items per step.
+      evict_kv: load KV rows with Triton's evict-first policy.
 
     Returns:
       ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
@@ -309,8 +325,10 @@ def mla_decode(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        combine_block_h=min(combine_block_h, q_lat.shape[1]),
         combine_block_d=min(combine_block_d, q_lat.shape[-1]),
         combine_block_items=combine_block_items,
+        evict="evict_first" if evict_kv and not interpret else None,
         interpret=interpret,
     )
 
@@ -323,8 +341,10 @@ def mla_decode(
         "block_k",
         "num_warps",
         "num_stages",
+        "combine_block_h",
         "combine_block_d",
         "combine_block_items",
+        "evict",
         "interpret",
     ),
 )
@@ -341,8 +361,10 @@ def _mla_decode(
     block_k,
     num_warps,
     num_stages,
+    combine_block_h,
     combine_block_d,
     combine_block_items,
+    evict,
     interpret,
 ):
     b, n, lkv = q_lat.shape
@@ -353,7 +375,12 @@ def _mla_decode(
     num_items = schedule.item_req.shape[0]
     out, lse, o_part, lse_part = pl.pallas_call(
         functools.partial(
-            _decode_kernel, scale=scale, block_h=block_h, block_k=block_k, block_size=block_size
+            _decode_kernel,
+            scale=scale,
+            block_h=block_h,
+            block_k=block_k,
+            block_size=block_size,
+            evict=evict,
         ),
         grid=(n // block_h, num_programs),
         out_shape=(
@@ -376,15 +403,14 @@ def _mla_decode(
         q_pe,
         kv_cache.reshape(num_blocks * block_size, width),
     )
-    combine_h = 16
     return pl.pallas_call(
         functools.partial(
             _combine_kernel,
-            block_h=combine_h,
+            block_h=combine_block_h,
             block_d=combine_block_d,
             block_items=combine_block_items,
         ),
-        grid=(n // combine_h, b, lkv // combine_block_d),
+        grid=(n // combine_block_h, b, lkv // combine_block_d),
         out_shape=(
             jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, n), jnp.float32),

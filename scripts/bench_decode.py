@@ -53,14 +53,21 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     variant = dict(variant or {})
     plan = KernelPlan.for_device(n)
     per_sm = variant.pop("programs_per_sm", 1)
+    min_share = variant.pop("min_share", 0)
     programs = plan.decode_programs * per_sm * variant.get("block_h", 64) // min(n, 64)
     schedule = jax.device_put(
-        decode.plan(seq_lens, num_programs=programs, block_k=variant.get("block_k", 64))
+        decode.plan(
+            seq_lens,
+            num_programs=programs,
+            block_k=variant.get("block_k", 64),
+            min_share=min_share,
+        )
     )
     kernel = jax.jit(
         functools.partial(decode.mla_decode, scale=SCALE, schedule=schedule, **variant)
     )
-    us, method = time_us(kernel, arg_sets)
+    timing = time_us(kernel, arg_sets)
+    us = timing.us
     tokens = int(seq_lens.sum())
     b = len(seq_lens)
     nbytes = tokens * (LKV + R) * 2 + b * n * (LKV + R) * 2 + b * n * LKV * 2
@@ -72,7 +79,8 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
         "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / us / 1e6,
         "items": int(schedule.req_items[-1]),
         "programs": programs,
-        "timing": method,
+        "timing": timing.method,
+        "kernels": {k: round(v, 1) for k, v in timing.kernels.items()},
     }
     if with_reference:
         ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
@@ -85,7 +93,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
         row["lse_err"] = float(
             jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
         )
-        row["xla_us"], _ = time_us(ref, arg_sets[:1], reps=10)
+        row["xla_us"] = time_us(ref, arg_sets[:1], reps=10).us
     return row
 
 
@@ -106,19 +114,41 @@ def _ragged(rng):
     ]
 
 
-SWEEP = [
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=2),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
-    dict(block_h=16, block_k=32, num_warps=4, num_stages=3, programs_per_sm=2),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_d=64),
-    dict(block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_items=8),
-    dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-    dict(block_h=64, block_k=64, num_warps=8, num_stages=3),
-    dict(block_h=64, block_k=32, num_warps=8, num_stages=3),
-    dict(block_h=64, block_k=64, num_warps=8, num_stages=2, programs_per_sm=2),
-    dict(block_h=32, block_k=64, num_warps=4, num_stages=3),
-]
+SWEEP = {
+    16: [
+        dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
+        dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2),
+        dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2, evict_kv=False),
+        dict(block_h=16, block_k=64, num_warps=8, num_stages=3),
+        dict(block_h=16, block_k=32, num_warps=4, num_stages=4),
+        dict(
+            block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_h=4, combine_block_d=64
+        ),
+        dict(
+            block_h=16,
+            block_k=64,
+            num_warps=4,
+            num_stages=3,
+            combine_block_h=4,
+            combine_block_d=64,
+            min_share=512,
+        ),
+        dict(
+            block_h=16,
+            block_k=64,
+            num_warps=4,
+            num_stages=2,
+            programs_per_sm=2,
+            combine_block_h=4,
+            combine_block_d=64,
+        ),
+    ],
+    128: [
+        dict(block_h=64, block_k=64, num_warps=8, num_stages=3),
+        dict(block_h=64, block_k=64, num_warps=8, num_stages=3, evict_kv=False),
+        dict(block_h=64, block_k=32, num_warps=8, num_stages=4),
+    ],
+}
 
 
 def main():
@@ -129,11 +159,9 @@ def main():
     rng = np.random.default_rng(0)
     if args.sweep:
         rows = []
-        for n, cases in ((16, CASES[:3]), (128, CASES[2:3])):
+        for n, cases in ((16, CASES[:3] + _ragged(rng)[:1]), (128, CASES[2:3])):
             for label, lens in cases:
-                for v in SWEEP:
-                    if n % v["block_h"]:
-                        continue
+                for v in SWEEP[n]:
                     try:
                         row = _case(rng, label, lens, n, v, with_reference=False)
                     except Exception as e:  # noqa: BLE001 (a variant Triton rejects)

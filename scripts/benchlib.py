@@ -12,6 +12,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +69,17 @@ def _gpu_kernel_events(trace: dict) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
-def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> tuple[float, str]:
-    """Median device time of ``fn(*args)`` in microseconds, warm, rotating through
-    ``arg_sets`` (distinct buffers, so that data left in L2 by one call does not serve the
-    next). On a GPU it is the summed duration of the call's kernels as CUPTI timestamps them
-    (the profiler's device events); elsewhere, wall clock around ``block_until_ready``.
-    Returns ``(microseconds, method)``."""
+class Timing(NamedTuple):
+    us: float  # median microseconds per call
+    method: str  # "cupti": summed kernel durations; "wall": wall clock
+    kernels: dict  # kernel name -> median microseconds per call (cupti only)
+
+
+def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Timing:
+    """Median device time of ``fn(*args)``, warm, rotating through ``arg_sets`` (distinct
+    buffers, so that data left in L2 by one call does not serve the next). On a GPU it is the
+    summed duration of the call's kernels as CUPTI timestamps them (the profiler's device
+    events); elsewhere, wall clock around ``block_until_ready``."""
     for _ in range(warmup):
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
@@ -89,37 +95,30 @@ def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> tu
                 trace = json.load(f)
         calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("bench_call_")]
         kernels = _gpu_kernel_events(trace)
-        if os.environ.get("BENCH_DEBUG_TRACE"):
-            names = sorted(
-                {
-                    (e["name"], e["args"]["name"])
-                    for e in trace["traceEvents"]
-                    if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")
-                }
-            )
-            print(
-                "trace tracks:", names[:40], "kernels:", sorted({k["name"] for k in kernels})[:10]
-            )
-        per_call = [
-            sum(k["dur"] for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]) for c in calls
-        ]
+        per_call, per_kernel = [], {}
+        for c in calls:
+            mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
+            per_call.append(sum(k["dur"] for k in mine))
+            for k in mine:
+                per_kernel.setdefault(k["name"], []).append(k["dur"])
         if len(per_call) == reps and min(per_call) > 0:
-            return float(np.median(per_call)), "cupti"
+            breakdown = {k: float(np.median(v)) * len(v) / reps for k, v in per_kernel.items()}
+            return Timing(float(np.median(per_call)), "cupti", breakdown)
         print(f"warning: no kernel events in the trace ({len(kernels)} found); timing wall clock")
     times = []
     for i in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6, "wall"
+    return Timing(float(np.median(times)) * 1e6, "wall", {})
 
 
 def copy_bandwidth_gbs(gib: float = 2.0) -> float:
     """Device copy bandwidth (bytes read + written per second), from an elementwise pass."""
     n = int(gib * 2**30) // 2
     xs = [jax.random.normal(jax.random.key(i), (n,), jnp.bfloat16) for i in range(2)]
-    us, _ = time_us(jax.jit(lambda x: x * 2), [(x,) for x in xs], reps=10)
-    return 2 * n * 2 / (us * 1e-6) / 1e9
+    t = time_us(jax.jit(lambda x: x * 2), [(x,) for x in xs], reps=10)
+    return 2 * n * 2 / (t.us * 1e-6) / 1e9
 
 
 def save(
