@@ -44,13 +44,15 @@ class KernelPlan:
     num_heads: int
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.DEFAULT_BLOCK_Q
-    decode_programs_per_sm: int = 1
 
     @property
     def decode_programs(self) -> int:
         """Decode programs per block of heads."""
-        per_sm = decode.default_num_programs(self.num_heads, self.num_sms)
-        return per_sm * self.decode_programs_per_sm
+        return decode.default_num_programs(self.num_heads, self.num_sms)
+
+    @property
+    def decode_block_k(self) -> int:
+        return decode.default_config(self.num_heads).block_k
 
     @classmethod
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:

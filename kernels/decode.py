@@ -25,18 +25,36 @@ from jax.experimental.pallas import triton as plgpu
 from . import online_softmax as osm
 
 DEFAULT_NUM_SMS = 132  # H100 / H200
-DEFAULT_BLOCK_K = 64
 
 
-def default_block_h(num_heads: int) -> int:
-    """Heads per program: all of them up to 64 (a [64, 512] float32 accumulator is what
-    a program's registers hold)."""
-    return min(num_heads, 64)
+class DecodeConfig(NamedTuple):
+    """Launch parameters of the decode kernels."""
+
+    block_h: int  # heads per program
+    block_k: int  # KV tokens per step
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # decode programs per multiprocessor (all blocks of heads)
+    combine_block_h: int  # merge kernel: heads, latent dims and items per step
+    combine_block_d: int
+    combine_block_items: int
+
+
+def default_config(num_heads: int) -> DecodeConfig:
+    """Tuned on an H200 (``scripts/bench_decode.py --sweep``): up to 64 heads share a
+    program (a [64, 512] float32 accumulator is what 8 warps' registers hold). Blocks of 16
+    heads are bandwidth-bound and want two programs per multiprocessor; 64-head blocks are
+    compute-bound and want a deeper pipeline."""
+    block_h = min(num_heads, 64)
+    if block_h < 64:
+        return DecodeConfig(block_h, 64, 4, 2, 2, 4, 64, 16)
+    return DecodeConfig(block_h, 64, 8, 3, 1, 4, 64, 16)
 
 
 def default_num_programs(num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """Programs per block of heads: one per multiprocessor in all."""
-    return max(1, num_sms // (num_heads // default_block_h(num_heads)))
+    """Decode programs per block of heads."""
+    cfg = default_config(num_heads)
+    return max(1, num_sms * cfg.programs_per_sm // (num_heads // cfg.block_h))
 
 
 class DecodeSchedule(NamedTuple):
@@ -56,24 +74,29 @@ def plan(
     *,
     num_programs: int,
     block_k: int,
-    min_share: int = 0,
+    snap: float = 0.1,
     num_items: int | None = None,
 ) -> DecodeSchedule:
-    """Host-side (NumPy) schedule: program ``p`` gets tokens ``[p * share, (p + 1) * share)``
-    of the batch's concatenated KV, ``share`` rounded up to whole ``block_k`` steps and at
-    least ``min_share`` (small batches then leave programs idle rather than split requests
-    into pieces too short to pay for their merge). Empty requests get no item.
-    ``num_items`` pads the item arrays to a static size (at least
+    """Host-side (NumPy) schedule: program ``p`` gets the tokens between boundaries
+    ``p * share`` and ``(p + 1) * share`` of the batch's concatenated KV, ``share`` rounded up
+    to whole ``block_k`` steps. A boundary within ``snap * share`` of a request boundary moves
+    onto it, so that a request is not split only to be merged again. Empty requests get no
+    item. ``num_items`` pads the item arrays to a static size (at least
     ``max_items(B, num_programs)``; default: the exact count)."""
     lens = np.asarray(seq_lens, np.int64)
     cum = np.concatenate([[0], np.cumsum(lens)])
     total = int(cum[-1])
-    share = max(-(-total // num_programs), min_share, 1)
-    share = -(-share // block_k) * block_k
-    cuts = np.union1d(cum[:-1][lens > 0], np.arange(1, -(-total // share)) * share)
+    share = -(-max(-(-total // num_programs), 1) // block_k) * block_k
+    bounds = np.arange(1, -(-total // share)) * share
+    i = np.clip(np.searchsorted(cum, bounds), 1, len(cum) - 1)
+    nearest = np.where(bounds - cum[i - 1] < cum[i] - bounds, cum[i - 1], cum[i])
+    bounds = np.where(np.abs(nearest - bounds) <= snap * share, nearest, bounds)
+    bounds = np.unique(bounds[(bounds > 0) & (bounds < total)])
+    cuts = np.union1d(cum[:-1][lens > 0], bounds)
     ends = np.append(cuts[1:], total)
     req = np.searchsorted(cum, cuts, side="right") - 1
-    prog_items = np.searchsorted(cuts // share, np.arange(num_programs + 1), side="left")
+    prog = np.searchsorted(bounds, cuts, side="right")
+    prog_items = np.searchsorted(prog, np.arange(num_programs + 1), side="left")
     req_items = np.searchsorted(req, np.arange(len(lens) + 1), side="left")
     pad = (num_items or len(cuts)) - len(cuts)
     if pad < 0:
@@ -121,7 +144,6 @@ def _decode_kernel(
     block_h: int,
     block_k: int,
     block_size: int,
-    evict: str | None,
 ):
     """One program x one block of heads: online softmax over each of its items."""
     h, p = pl.program_id(0), pl.program_id(1)
@@ -129,10 +151,6 @@ def _decode_kernel(
     num_lat = q_lat_ref.shape[-1]
     rope = q_pe_ref.shape[-1]
     width = block_table_ref.shape[-1]
-    if evict:  # each KV row is read once per block of heads: keep it out of L2's way
-        load_kv = functools.partial(plgpu.load, eviction_policy=evict)
-    else:  # (interpret mode has no gathering plgpu.load)
-        load_kv = lambda ref: ref[...]  # noqa: E731
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
@@ -143,8 +161,8 @@ def _decode_kernel(
             tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
             page = block_table_ref[req, jnp.minimum(tok // block_size, width - 1)]
             rows = page * block_size + tok % block_size
-            kv_c = load_kv(kv_ref.at[rows, pl.ds(0, num_lat)])
-            k_pe = load_kv(kv_ref.at[rows, pl.ds(num_lat, rope)])
+            kv_c = kv_ref[rows, pl.ds(0, num_lat)]
+            k_pe = kv_ref[rows, pl.ds(num_lat, rope)]
             s = osm.dot(q_lat, kv_c, trans_b=True) + osm.dot(q_pe, k_pe, trans_b=True)
             s = jnp.where((tok < end)[None, :], s * (scale * osm.LOG2E), -jnp.inf)
             return osm.update(state, s, kv_c)
@@ -279,14 +297,7 @@ def mla_decode(
     *,
     scale: float,
     schedule: DecodeSchedule | None = None,
-    block_h: int | None = None,
-    block_k: int = DEFAULT_BLOCK_K,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    combine_block_h: int = 16,
-    combine_block_d: int = 128,
-    combine_block_items: int = 4,
-    evict_kv: bool = True,
+    config: DecodeConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache.
@@ -300,19 +311,21 @@ def mla_decode(
       scale: softmax scale.
       schedule: the split-KV plan (``plan``, built on the host from the metadata); None
         runs each request whole in a program of its own.
-      block_h, block_k: heads and KV tokens per program step; num_warps, num_stages: Triton.
-      combine_block_h, combine_block_d, combine_block_items: the merge kernel's heads, latent
-        dims and items per step.
-      evict_kv: load KV rows with Triton's evict-first policy.
+      config: launch parameters (default: ``default_config(N)``).
 
     Returns:
       ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
     """
-    block_h = block_h or default_block_h(q_lat.shape[1])
-    _check(q_lat, q_pe, kv_cache, block_table, seq_lens, block_h)
+    n = q_lat.shape[1] if q_lat.ndim == 3 else 0
+    config = config or default_config(n)
+    _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
     if interpret is None:
         interpret = osm.interpret_default()
+    config = config._replace(
+        combine_block_h=min(config.combine_block_h, n),
+        combine_block_d=min(config.combine_block_d, q_lat.shape[-1]),
+    )
     return _mla_decode(
         q_lat,
         q_pe,
@@ -321,51 +334,14 @@ def mla_decode(
         seq_lens,
         schedule,
         scale=scale,
-        block_h=block_h,
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        combine_block_h=min(combine_block_h, q_lat.shape[1]),
-        combine_block_d=min(combine_block_d, q_lat.shape[-1]),
-        combine_block_items=combine_block_items,
-        evict="evict_first" if evict_kv and not interpret else None,
+        config=config,
         interpret=interpret,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "block_h",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "combine_block_h",
-        "combine_block_d",
-        "combine_block_items",
-        "evict",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def _mla_decode(
-    q_lat,
-    q_pe,
-    kv_cache,
-    block_table,
-    seq_lens,
-    schedule,
-    *,
-    scale,
-    block_h,
-    block_k,
-    num_warps,
-    num_stages,
-    combine_block_h,
-    combine_block_d,
-    combine_block_items,
-    evict,
-    interpret,
+    q_lat, q_pe, kv_cache, block_table, seq_lens, schedule, *, scale, config, interpret
 ):
     b, n, lkv = q_lat.shape
     num_blocks, block_size, width = kv_cache.shape
@@ -377,19 +353,20 @@ def _mla_decode(
         functools.partial(
             _decode_kernel,
             scale=scale,
-            block_h=block_h,
-            block_k=block_k,
+            block_h=config.block_h,
+            block_k=config.block_k,
             block_size=block_size,
-            evict=evict,
         ),
-        grid=(n // block_h, num_programs),
+        grid=(n // config.block_h, num_programs),
         out_shape=(
             jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, n), jnp.float32),
             jax.ShapeDtypeStruct((num_items, n, lkv), jnp.float32),
             jax.ShapeDtypeStruct((num_items, n), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
         interpret=interpret,
         name="mla_decode",
     )(
@@ -406,11 +383,11 @@ def _mla_decode(
     return pl.pallas_call(
         functools.partial(
             _combine_kernel,
-            block_h=combine_block_h,
-            block_d=combine_block_d,
-            block_items=combine_block_items,
+            block_h=config.combine_block_h,
+            block_d=config.combine_block_d,
+            block_items=config.combine_block_items,
         ),
-        grid=(n // combine_block_h, b, lkv // combine_block_d),
+        grid=(n // config.combine_block_h, b, lkv // config.combine_block_d),
         out_shape=(
             jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, n), jnp.float32),

@@ -229,7 +229,7 @@ def build_metadata(
             schedule = decode_kernel.plan(
                 d_lens,
                 num_programs=programs,
-                block_k=decode_kernel.DEFAULT_BLOCK_K,
+                block_k=kernel_plan.decode_block_k,
                 num_items=decode_kernel.max_items(bd, programs),
             )
         decode = DecodeMetadata(

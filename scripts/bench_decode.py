@@ -50,21 +50,11 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     cache_bytes = int(seq_lens.sum()) * (LKV + R) * 2
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
     arg_sets = _inputs(rng, seq_lens, n, sets)
-    variant = dict(variant or {})
-    plan = KernelPlan.for_device(n)
-    per_sm = variant.pop("programs_per_sm", 1)
-    min_share = variant.pop("min_share", 0)
-    programs = plan.decode_programs * per_sm * variant.get("block_h", 64) // min(n, 64)
-    schedule = jax.device_put(
-        decode.plan(
-            seq_lens,
-            num_programs=programs,
-            block_k=variant.get("block_k", 64),
-            min_share=min_share,
-        )
-    )
+    config = decode.default_config(n)._replace(**(variant or {}))
+    programs = KernelPlan.for_device(n).num_sms * config.programs_per_sm // (n // config.block_h)
+    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
     kernel = jax.jit(
-        functools.partial(decode.mla_decode, scale=SCALE, schedule=schedule, **variant)
+        functools.partial(decode.mla_decode, scale=SCALE, schedule=schedule, config=config)
     )
     timing = time_us(kernel, arg_sets)
     us = timing.us
@@ -116,37 +106,22 @@ def _ragged(rng):
 
 SWEEP = {
     16: [
-        dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
-        dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2),
-        dict(block_h=16, block_k=64, num_warps=4, num_stages=2, programs_per_sm=2, evict_kv=False),
-        dict(block_h=16, block_k=64, num_warps=8, num_stages=3),
-        dict(block_h=16, block_k=32, num_warps=4, num_stages=4),
+        {},
+        dict(combine_block_h=1, combine_block_d=64, combine_block_items=64),
+        dict(combine_block_h=2, combine_block_d=64, combine_block_items=32),
+        dict(combine_block_h=1, combine_block_d=128, combine_block_items=32),
+        dict(combine_block_h=16, combine_block_d=128, combine_block_items=4),
         dict(
-            block_h=16, block_k=64, num_warps=4, num_stages=3, combine_block_h=4, combine_block_d=64
-        ),
-        dict(
-            block_h=16,
-            block_k=64,
-            num_warps=4,
+            programs_per_sm=1,
             num_stages=3,
-            combine_block_h=4,
+            combine_block_h=1,
             combine_block_d=64,
-            min_share=512,
-        ),
-        dict(
-            block_h=16,
-            block_k=64,
-            num_warps=4,
-            num_stages=2,
-            programs_per_sm=2,
-            combine_block_h=4,
-            combine_block_d=64,
+            combine_block_items=64,
         ),
     ],
     128: [
-        dict(block_h=64, block_k=64, num_warps=8, num_stages=3),
-        dict(block_h=64, block_k=64, num_warps=8, num_stages=3, evict_kv=False),
-        dict(block_h=64, block_k=32, num_warps=8, num_stages=4),
+        {},
+        dict(combine_block_h=16, combine_block_d=128, combine_block_items=4),
     ],
 }
 
