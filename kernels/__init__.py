@@ -45,14 +45,12 @@ class KernelPlan:
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.DEFAULT_BLOCK_Q
 
-    @property
-    def decode_programs(self) -> int:
-        """Decode programs per block of heads."""
-        return decode.default_num_programs(self.num_heads, self.num_sms)
+    def decode_programs(self, batch: int) -> int:
+        """Decode programs per block of heads for a batch of ``batch`` decodes."""
+        return decode.default_num_programs(self.num_heads, batch, self.num_sms)
 
-    @property
-    def decode_block_k(self) -> int:
-        return decode.default_config(self.num_heads).block_k
+    def decode_block_k(self, batch: int) -> int:
+        return decode.default_config(self.num_heads, batch).block_k
 
     @classmethod
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:

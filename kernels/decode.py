@@ -40,20 +40,28 @@ class DecodeConfig(NamedTuple):
     combine_block_items: int
 
 
-def default_config(num_heads: int) -> DecodeConfig:
-    """Tuned on an H200 (``scripts/bench_decode.py --sweep``): up to 64 heads share a
-    program (a [64, 512] float32 accumulator is what 8 warps' registers hold). Blocks of 16
-    heads are bandwidth-bound and want two programs per multiprocessor; 64-head blocks are
-    compute-bound and want a deeper pipeline."""
+def default_config(num_heads: int, batch: int) -> DecodeConfig:
+    """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads share a
+    program (a [64, 512] float32 accumulator is what 8 warps' registers hold); 64-head
+    blocks are compute-bound and want a deep pipeline. Smaller head blocks are
+    bandwidth-bound: large batches want two programs per multiprocessor, small ones fewer
+    splits to merge. The merge kernel takes many items per step when few requests are each
+    split many ways, and many heads per step otherwise."""
     block_h = min(num_heads, 64)
-    if block_h < 64:
-        return DecodeConfig(block_h, 64, 4, 2, 2, 4, 64, 16)
-    return DecodeConfig(block_h, 64, 8, 3, 1, 4, 64, 16)
+    if block_h == 64:
+        main = (64, 8, 3, 1)
+    elif batch >= 32:
+        main = (64, 4, 2, 2)
+    else:
+        main = (64, 4, 3, 1)
+    splits_per_request = DEFAULT_NUM_SMS * main[3] // max(batch, 1)
+    combine = (1, 64, 64) if splits_per_request >= 32 else (min(16, num_heads), 128, 4)
+    return DecodeConfig(block_h, *main, *combine)
 
 
-def default_num_programs(num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+def default_num_programs(num_heads: int, batch: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Decode programs per block of heads."""
-    cfg = default_config(num_heads)
+    cfg = default_config(num_heads, batch)
     return max(1, num_sms * cfg.programs_per_sm // (num_heads // cfg.block_h))
 
 
@@ -311,13 +319,13 @@ def mla_decode(
       scale: softmax scale.
       schedule: the split-KV plan (``plan``, built on the host from the metadata); None
         runs each request whole in a program of its own.
-      config: launch parameters (default: ``default_config(N)``).
+      config: launch parameters (default: ``default_config(N, B)``).
 
     Returns:
       ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
     """
-    n = q_lat.shape[1] if q_lat.ndim == 3 else 0
-    config = config or default_config(n)
+    b, n = q_lat.shape[:2] if q_lat.ndim == 3 else (0, 0)
+    config = config or default_config(n, b)
     _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
     if interpret is None:

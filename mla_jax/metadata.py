@@ -225,11 +225,11 @@ def build_metadata(
         d_lens = _pad(seq_lens[:nd], bd)
         schedule = None
         if kernel_plan is not None:
-            programs = kernel_plan.decode_programs
+            programs = kernel_plan.decode_programs(bd)
             schedule = decode_kernel.plan(
                 d_lens,
                 num_programs=programs,
-                block_k=kernel_plan.decode_block_k,
+                block_k=kernel_plan.decode_block_k(bd),
                 num_items=decode_kernel.max_items(bd, programs),
             )
         decode = DecodeMetadata(

@@ -50,7 +50,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     cache_bytes = int(seq_lens.sum()) * (LKV + R) * 2
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
     arg_sets = _inputs(rng, seq_lens, n, sets)
-    config = decode.default_config(n)._replace(**(variant or {}))
+    config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
     programs = KernelPlan.for_device(n).num_sms * config.programs_per_sm // (n // config.block_h)
     schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
     kernel = jax.jit(
@@ -147,8 +147,8 @@ def main():
         with open(os.path.join(args.out or ".", "decode_sweep.json"), "w") as f:
             json.dump({"device": machine(), "rows": rows}, f, indent=1)
         return
-    copy = copy_bandwidth_gbs()
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    copy, copy_method = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy:.0f} GB/s ({copy_method})")
     rows = []
     for n in (16, 128):
         for label, lens in CASES + _ragged(rng):
@@ -183,7 +183,8 @@ def main():
         ],
         rows,
         [
-            f"Copy bandwidth measured in the same run: {copy:.0f} GB/s (read + write).",
+            f"Copy bandwidth measured in the same run: {copy:.0f} GB/s (read + write; "
+            f"{copy_method}).",
             "us: median over 30 warm calls of the summed CUPTI kernel durations (split-KV "
             "kernel + combine), caches rotated so that no call finds its pages in L2.",
             "GB/s counts 576 x 2 B per context token plus q and out; TFLOP/s counts "

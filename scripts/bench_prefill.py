@@ -216,7 +216,7 @@ def main():
         with open(os.path.join(args.out or ".", "prefill_sweep.json"), "w") as f:
             json.dump({"device": machine(), "rows": rows}, f, indent=1)
         return
-    copy = copy_bandwidth_gbs()
+    copy, copy_method = copy_bandwidth_gbs()
     save(
         "prefill_causal",
         "Causal prefill (Pallas ragged flash attention), bf16, q/k 192, v 128",

@@ -71,7 +71,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype):
         *map(jnp.asarray, args[3:]),
         scale=0.11,
         schedule=schedule,
-        config=decode.default_config(16)._replace(block_k=32),
+        config=decode.default_config(16, 7)._replace(block_k=32),
     )
     _check(got, _expected(*args, 0.11), args[-1], dtype)
 
@@ -84,7 +84,7 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
     """Every request in one program, up to many programs per request; the device-side
     fallback (no schedule: one program per request); several blocks of heads."""
     args = _case(rng, [130, 7, 64, 0, 201], n=n)
-    config = decode.default_config(n)._replace(block_h=block_h, block_k=32)
+    config = decode.default_config(n, 5)._replace(block_h=block_h, block_k=32)
     kw = dict(scale=0.2, config=config)
     if num_programs:
         kw["schedule"] = decode.plan(
