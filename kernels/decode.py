@@ -41,13 +41,13 @@ class DecodeConfig(NamedTuple):
 
 
 def default_config(num_heads: int, batch: int) -> DecodeConfig:
-    """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads share a
-    program (a [64, 512] float32 accumulator is what 8 warps' registers hold); 64-head
-    blocks are compute-bound and want a deep pipeline. Smaller head blocks are
-    bandwidth-bound: large batches want two programs per multiprocessor, small ones fewer
-    splits to merge. The merge kernel takes many items per step when few requests are each
-    split many ways, and many heads per step otherwise."""
-    block_h = min(num_heads, 64)
+    """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads (a power of
+    two dividing N) share a program: a [64, 512] float32 accumulator is what 8 warps'
+    registers hold. 64-head blocks are compute-bound and want a deep pipeline. Smaller head
+    blocks are bandwidth-bound: large batches want two programs per multiprocessor, small
+    ones fewer splits to merge. The merge kernel takes many items per step when few
+    requests are each split many ways, and many heads per step otherwise."""
+    block_h = min(num_heads & -num_heads, 64)  # a power of two (Triton) that divides N
     if block_h == 64:
         main = (64, 8, 3, 1)
     elif batch >= 32:

@@ -82,7 +82,7 @@ class MLAAttention(nnx.Module):
         """
         c = self.cfg
         t = x.shape[0]
-        if self.cfg.q_lora_rank is None:
+        if c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -211,7 +211,5 @@ def _workspace_slots(
     i = jnp.arange(workspace_size)
     r = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
     pos = starts[r] + i - cu_seq_lens[r]
-    block = jnp.take_along_axis(
-        block_table[r], jnp.clip(pos // block_size, 0, block_table.shape[1] - 1)[:, None], 1
-    )[:, 0]
+    block = block_table[r, jnp.clip(pos // block_size, 0, block_table.shape[1] - 1)]
     return jnp.where(i < total, block * block_size + pos % block_size, 0)

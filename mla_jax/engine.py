@@ -129,7 +129,6 @@ class Engine:
         self.key = jax.random.key(seed)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
-        self._seen: set[StepShape] = set()
 
         def forward(graphdef, state, caches, input_ids, md, temperatures, key):
             model = nnx.merge(graphdef, state)
@@ -223,8 +222,9 @@ class Engine:
         input_ids[md.token_rows()] = ids
         return input_ids, md
 
-    def step(self, batch) -> np.ndarray:
-        """Runs one scheduled batch; returns the sampled token of each request."""
+    def step(self, batch) -> tuple[np.ndarray, StepShape]:
+        """Runs one scheduled batch; returns the sampled token of each request and the
+        bucket it ran in."""
         input_ids, md = self._metadata(batch)
         shape = md.step_shape()
         rows = md.request_rows()
@@ -235,13 +235,33 @@ class Engine:
         t0 = time.perf_counter()
         tokens, self.caches = self._step_fn(self.graphdef, self.state, self.caches, *args, key)
         tokens = np.asarray(tokens)
-        if shape not in self._seen:
+        if shape not in self.stats.buckets:
             dt = time.perf_counter() - t0
-            self._seen.add(shape)
             self.stats.buckets.append(shape)
             self.stats.compile_s += dt
             self.log(f"compiled bucket {shape} in {dt:.2f}s")
-        return tokens[rows]
+        return tokens[rows], shape
+
+    def precompile(self, steps: list[list[tuple[int, int]]]) -> list[StepShape]:
+        """Compiles the programs of the given steps ahead of serving. A step is a list of
+        ``(context_len, query_len)`` pairs, decodes (query_len 1) first, e.g.
+        ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on dummy tokens in freshly
+        allocated blocks, which go back to the allocator: call it while no request runs.
+        Returns the buckets the steps compile to (``stats.buckets`` lists all so far)."""
+        shapes = []
+        for pairs in steps:
+            batch = []
+            try:
+                for context_len, query_len in pairs:
+                    req = Request([0] * (context_len + query_len), max_new_tokens=1)
+                    req.num_computed = context_len
+                    req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)))
+                    batch.append((req, query_len))
+                shapes.append(self.step(batch)[1])
+            finally:
+                for req, _ in batch:
+                    self.allocator.free(req.block_ids.tolist())
+        return shapes
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""
@@ -249,13 +269,14 @@ class Engine:
             self._check(req)
         waiting, running = deque(requests), []
         t_start = t_log = time.perf_counter()
+        elapsed_before = self.stats.elapsed_s
         while waiting or running:
             batch = self._schedule(running, waiting)
             if not batch:
                 raise CacheFullError(
                     f"no request can be scheduled: {self.allocator.num_free} free blocks"
                 )
-            tokens = self.step(batch)
+            tokens, _ = self.step(batch)
             self.stats.steps += 1
             for (req, n), tok in zip(batch, tokens, strict=True):
                 prompt_len = len(req.prompt_ids)
@@ -271,7 +292,7 @@ class Engine:
                     running.remove(req)
                     self.allocator.free(req.block_ids.tolist())
             now = time.perf_counter()
-            self.stats.elapsed_s = now - t_start
+            self.stats.elapsed_s = elapsed_before + now - t_start
             if now - t_log >= progress_every_s or not (waiting or running):
                 t_log = now
                 self.log(self._progress(len(running), len(waiting)))

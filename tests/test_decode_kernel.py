@@ -78,7 +78,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype):
 
 @pytest.mark.parametrize(
     "n,block_h,num_programs",
-    [(16, 16, 1), (16, 16, 40), (32, 16, 5), (32, 32, None), (64, 32, 12)],
+    [(16, 16, 1), (16, 16, 40), (32, 16, 5), (32, 32, None), (64, 32, 12), (48, 16, 7)],
 )
 def test_heads_and_split_counts(rng, n, block_h, num_programs):
     """Every request in one program, up to many programs per request; the device-side
@@ -95,6 +95,13 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
         )
     got = decode.mla_decode(*map(jnp.asarray, args), **kw)
     _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
+
+
+def test_default_head_blocks_divide_the_heads():
+    for n in (16, 32, 48, 64, 80, 96, 128, 256):
+        cfg = decode.default_config(n, 8)
+        assert n % cfg.block_h == 0 and cfg.block_h & (cfg.block_h - 1) == 0
+        assert n % cfg.combine_block_h == 0
 
 
 def test_deepseek_dims(rng):

@@ -117,3 +117,25 @@ def test_generate_script(tmp_path):
         text=True,
     )
     assert bad.returncode != 0 and "comma-separated integers" in bad.stderr
+
+
+def test_pallas_kernels_give_the_reference_tokens(tiny, rng):
+    """The engine on the Pallas kernels (interpret mode here, Triton on a GPU) with its host
+    schedules: chunked prefill, context chunks, split-KV decode."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (3, 37, 1)]
+    kw = dict(max_num_batched_tokens=16, workspace_size=256, num_blocks=16)
+    outs = {
+        impl: [r.output_ids for r in _run(tiny, prompts, impl=impl, **kw)[1]]
+        for impl in ("reference", "pallas")
+    }
+    assert outs["pallas"] == outs["reference"]
+
+
+def test_precompile_covers_later_steps(tiny):
+    logs = []
+    engine = Engine(tiny, EngineConfig(num_blocks=8, impl="reference"), log=logs.append)
+    shapes = engine.precompile([[(0, 7)], [(7, 1)]])
+    assert engine.stats.buckets == shapes and engine.allocator.num_free == 8
+    engine.generate([Request(list(range(1, 8)), max_new_tokens=3)])
+    assert engine.stats.buckets == shapes  # nothing new compiled
+    assert sum("compiled bucket" in m for m in logs) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -160,3 +161,29 @@ def test_workspace_too_small_for_the_prefills_with_context():
             num_blocks=8,
             workspace_size=8,
         )
+
+
+def test_kernel_schedules_add_no_buckets(rng):
+    """With a kernel plan the metadata also carries the Pallas schedules, sized from the
+    buckets alone (two batches of one bucket share every shape)."""
+    from kernels import KernelPlan
+
+    shapes = set()
+    for _ in range(3):
+        ctx = rng.integers(100, 120, 6)  # one bucket: same widths, one context chunk
+        qlen = np.array([1, 1, 1, 5, 9, 20])
+        table = rng.permutation(6 * 21).reshape(6, 21)
+        md = build_metadata(
+            ctx,
+            qlen,
+            table,
+            block_size=16,
+            num_blocks=6 * 21,
+            workspace_size=512,
+            kernel_plan=KernelPlan(16, num_sms=8),
+        )
+        leaves = [a.shape for a in jax.tree.leaves(md)]
+        shapes.add((str(jax.tree.structure(md)), tuple(leaves)))
+        s = md.decode.schedule
+        assert s.req_items[-1] <= len(s.item_req) and md.prefill.schedule.block_q > 0
+    assert len(shapes) == 1
