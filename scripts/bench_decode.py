@@ -10,15 +10,13 @@ reference's time. ``--sweep`` times kernel variants instead (written only under 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth_gbs, machine, save, time_us
+from benchlib import copy_bandwidth_gbs, parse_args, save, sweep, time_us
 
 from kernels import KernelPlan, decode, reference
 
@@ -106,40 +104,38 @@ def _ragged(rng):
     ]
 
 
+# The variants behind kernels.decode.default_config (each on top of the default).
 SWEEP = {
     16: [
         {},
+        dict(programs_per_sm=1, num_stages=3),
         dict(programs_per_sm=3),
-        dict(programs_per_sm=1),
-        dict(num_warps=2),
-        dict(programs_per_sm=4, block_k=32),
-        dict(programs_per_sm=2, block_k=32, num_stages=3),
-        dict(programs_per_sm=3, block_k=32),
+        dict(num_warps=8),
+        dict(block_k=32, num_stages=3),
+        dict(combine_block_h=16, combine_block_d=128, combine_block_items=4),
+        dict(combine_block_h=1, combine_block_d=64, combine_block_items=64),
     ],
-    128: [{}],
+    128: [{}, dict(num_stages=2), dict(block_k=32, num_stages=4), dict(block_h=32, num_warps=4)],
 }
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="also write JSON here")
-    ap.add_argument("--sweep", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     rng = np.random.default_rng(0)
     if args.sweep:
-        rows = []
-        for n, cases in ((16, CASES[1:3]),):
-            for label, lens in cases:
-                for v in SWEEP[n]:
-                    try:
-                        row = _case(rng, label, lens, n, v, with_reference=False)
-                    except Exception as e:  # noqa: BLE001 (a variant Triton rejects)
-                        row = {"case": label, "N": n, "error": f"{type(e).__name__}: {e}"[:300]}
-                    row["variant"] = v
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        with open(os.path.join(args.out or ".", "decode_sweep.json"), "w") as f:
-            json.dump({"device": machine(), "rows": rows}, f, indent=1)
+        trials = [
+            (
+                {"case": label, "N": n},
+                v,
+                lambda label=label, lens=lens, n=n, v=v: _case(
+                    rng, label, lens, n, v, with_reference=False
+                ),
+            )
+            for n, cases in ((16, CASES[:3]), (128, CASES[2:3]))
+            for label, lens in cases
+            for v in SWEEP[n]
+        ]
+        sweep("decode", trials, args.out)
         return
     copy, copy_method = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy:.0f} GB/s ({copy_method})")

@@ -6,12 +6,10 @@ DeepSeek-V3 dimensions in bf16, on the Pallas kernels and on the pure-jnp refere
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import save, time_us
+from benchlib import parse_args, save, time_us
 from flax import nnx
 
 from kernels import KernelPlan
@@ -29,9 +27,7 @@ STEPS = [
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="also write JSON here")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     rng = np.random.default_rng(0)
     cfg = preset("deepseek-v3")
     attn = MLAAttention(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

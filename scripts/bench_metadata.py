@@ -5,11 +5,10 @@ python scripts/bench_metadata.py [--out DIR]
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
-from benchlib import save
+from benchlib import parse_args, save
 
 from mla_jax.metadata import build_metadata
 
@@ -24,10 +23,8 @@ def _batch(rng, num_decodes, num_prefills, block_size):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--reps", type=int, default=500)
-    args = ap.parse_args()
+    args = parse_args(__doc__)
+    reps = 500
     rng = np.random.default_rng(0)
     rows = []
     for label, nd, npf in [
@@ -38,7 +35,7 @@ def main():
         ctx, qlen, table, num_blocks = _batch(rng, nd, npf, 16)
         kw = dict(block_size=16, num_blocks=num_blocks, workspace_size=65536)
         times = []
-        for _ in range(args.reps + 20):
+        for _ in range(reps + 20):
             t0 = time.perf_counter()
             md = build_metadata(ctx, qlen, table, **kw)
             times.append(time.perf_counter() - t0)
@@ -51,7 +48,7 @@ def main():
         ["batch", "new tokens", "bucket (StepShape)", "median us"],
         rows,
         [
-            f"Median of {args.reps} builds after 20 warm-up builds; block size 16, contexts up to "
+            f"Median of {reps} builds after 20 warm-up builds; block size 16, contexts up to "
             "4096 tokens, workspace 65536; includes input validation."
         ],
         out_dir=args.out,

@@ -10,14 +10,10 @@ CUPTI kernel time).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth_gbs, machine, save, time_us
+from benchlib import copy_bandwidth_gbs, parse_args, save, sweep, time_us
 from flax import nnx
 
 from kernels import PALLAS, KernelPlan, merge, prefill, reference
@@ -184,37 +180,31 @@ def merge_row(copy):
     ]
 
 
+# The variants behind the kernels.prefill defaults.
 SWEEP = [
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
-    dict(block_q=128, block_k=64, num_warps=8, num_stages=4),
+    dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
     dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
-    dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=128, block_k=32, num_warps=4, num_stages=3),
+    dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
 ]
 
 
+def _sweep_trial(n, var):
+    lens = np.array([4096])
+    q, k, v = _qkv(jax.random.key(n), 4096, n)
+    us = time_us(_pallas(lens, n, var), [(q, k, v)], reps=10).us
+    return {"us": us, "TFLOP/s": 2 * 4096 * 4097 / 2 * n * (DQK + DV) / us / 1e6}
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="also write JSON here")
-    ap.add_argument("--sweep", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     rng = np.random.default_rng(0)
     if args.sweep:
-        rows = []
-        for n in (16, 128):
-            lens = np.array([4096])
-            q, k, v = _qkv(jax.random.key(n), 4096, n)
-            flops = 2 * 4096 * 4097 / 2 * n * (DQK + DV)
-            for var in SWEEP:
-                try:
-                    us = time_us(_pallas(lens, n, var), [(q, k, v)], reps=10).us
-                    row = {"N": n, "us": us, "TFLOP/s": flops / us / 1e6}
-                except Exception as e:  # noqa: BLE001 (a variant Triton rejects)
-                    row = {"N": n, "error": f"{type(e).__name__}: {e}"[:300]}
-                row["variant"] = var
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        with open(os.path.join(args.out or ".", "prefill_sweep.json"), "w") as f:
-            json.dump({"device": machine(), "rows": rows}, f, indent=1)
+        trials = [
+            ({"N": n}, v, lambda n=n, v=v: _sweep_trial(n, v)) for n in (16, 128) for v in SWEEP
+        ]
+        sweep("prefill", trials, args.out)
         return
     copy, copy_method = copy_bandwidth_gbs()
     save(

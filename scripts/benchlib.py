@@ -3,6 +3,7 @@ BENCHMARKS.md page rendered from every result file (the page is never edited by 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import glob
 import gzip
@@ -139,6 +140,36 @@ def copy_bandwidth_gbs(gib: float = 2.0) -> tuple[float, str]:
         xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
         t = time_us(jax.jit(lambda x: x + 1), [(x,) for x in xs], reps=10)
         return 2 * n * 4 / (t.us * 1e-6) / 1e9, "XLA float32 elementwise pass"
+
+
+def parse_args(doc: str):
+    """The bench scripts' command line: ``--out DIR`` (also write the JSON there) and
+    ``--sweep`` (time kernel variants instead of the table)."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--sweep", action="store_true", help="time kernel variants")
+    return ap.parse_args()
+
+
+def sweep(name: str, trials, out_dir: str | None) -> None:
+    """Runs ``(info, variant, run)`` trials (``run()`` returns a dict of results); a variant
+    Triton rejects is recorded, not fatal. Writes ``<name>_sweep.json`` under ``out_dir``
+    (never into BENCHMARKS.md)."""
+    rows = []
+    for info, variant, run in trials:
+        try:
+            row = {**info, **run()}
+        except Exception as e:  # noqa: BLE001 (a variant the compiler rejects)
+            row = {**info, "error": f"{type(e).__name__}: {e}"[:300]}
+        row["variant"] = variant
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir or ".", f"{name}_sweep.json"), "w") as f:
+        json.dump(
+            {"device": machine(), "date": datetime.date.today().isoformat(), "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 def save(
