@@ -64,9 +64,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i: int) -> int:
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids ``[start, stop)`` of prompt + output."""
         p = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
+        return self.prompt_ids[start:stop] + self.output_ids[max(start - p, 0) : max(stop - p, 0)]
 
 
 @dataclasses.dataclass
@@ -207,7 +208,7 @@ class Engine:
             block_table[i, : len(req.block_ids)] = req.block_ids
             context_lens[i] = req.num_computed
             query_lens[i] = n
-            ids.extend(req.token(j) for j in range(req.num_computed, req.num_computed + n))
+            ids += req.tokens(req.num_computed, req.num_computed + n)
         md = build_metadata(
             context_lens,
             query_lens,

@@ -7,8 +7,9 @@ out as
     [ decode slots (num_decodes bucket) | prefill slots (prefill-token bucket) ]
 
 with real tokens first in each region and padding (slot ``PAD_SLOT``, no keys) after them.
-Array shapes and the static fields (``ChunkedContext.workspace_size``) select the compiled
-program: one jit compilation per bucket.
+Array shapes and the static fields (``ChunkedContext.workspace_size``, the prefill tile
+height) select the compiled program: one jit compilation per bucket. With a ``KernelPlan``
+the metadata also carries the Pallas kernels' work schedules, sized from the buckets alone.
 
 Everything here is vectorised NumPy: no Python loop over requests or tokens.
 """

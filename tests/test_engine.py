@@ -139,3 +139,33 @@ def test_precompile_covers_later_steps(tiny):
     engine.generate([Request(list(range(1, 8)), max_new_tokens=3)])
     assert engine.stats.buckets == shapes  # nothing new compiled
     assert sum("compiled bucket" in m for m in logs) == 2
+
+
+def test_generate_script_with_text_prompt(tmp_path):
+    """--prompt goes through the checkpoint's tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 512)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tiny" / "tokenizer.json"))
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "generate.py"),
+        "--model",
+        model_dir,
+        "--prompt",
+        "w3 w14 w15",
+        "--max-new-tokens",
+        "3",
+        "--output",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    [result] = json.loads(out.read_text())["outputs"]
+    assert result["prompt_ids"] == [3, 14, 15] and len(result["generated_ids"]) == 3
+    assert result["generated_text"].split() == [
+        f"w{t}" if t else "[UNK]" for t in result["generated_ids"]
+    ]
