@@ -250,7 +250,8 @@ def main():
         ["tokens x heads x dim", "us", "GB/s", "of copy BW", "XLA (reference) us"],
         merge_row(copy),
         [
-            f"Copy bandwidth measured in the same run: {copy:.0f} GB/s (read + write).",
+            f"Copy bandwidth measured in the same run: {copy:.0f} GB/s (read + write; "
+            f"{copy_method}).",
             "Bytes: two outputs and two lses read, one output and lse written.",
         ],
         out_dir=args.out,
