@@ -45,12 +45,13 @@ class KernelPlan:
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.DEFAULT_BLOCK_Q
 
+    def decode_config(self, batch: int) -> decode.DecodeConfig:
+        """The launch parameters ``mla_decode`` picks for a batch of ``batch`` decodes."""
+        return decode.default_config(self.num_heads, batch)
+
     def decode_programs(self, batch: int) -> int:
         """Decode programs per block of heads for a batch of ``batch`` decodes."""
-        return decode.default_num_programs(self.num_heads, batch, self.num_sms)
-
-    def decode_block_k(self, batch: int) -> int:
-        return decode.default_config(self.num_heads, batch).block_k
+        return decode.num_programs(self.decode_config(batch), self.num_heads, self.num_sms)
 
     @classmethod
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:

@@ -59,10 +59,9 @@ def default_config(num_heads: int, batch: int) -> DecodeConfig:
     return DecodeConfig(block_h, *main, *combine)
 
 
-def default_num_programs(num_heads: int, batch: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """Decode programs per block of heads."""
-    cfg = default_config(num_heads, batch)
-    return max(1, num_sms * cfg.programs_per_sm // (num_heads // cfg.block_h))
+def num_programs(config: DecodeConfig, num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Decode programs per block of heads (what ``plan`` schedules for)."""
+    return max(1, num_sms * config.programs_per_sm // (num_heads // config.block_h))
 
 
 class DecodeSchedule(NamedTuple):

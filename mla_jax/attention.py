@@ -24,7 +24,7 @@ import kernels
 from .cache import write_cache
 from .config import MLAConfig
 from .layers import RMSNorm, linear
-from .metadata import AttentionMetadata, ChunkedContext, DecodeMetadata, PrefillMetadata
+from .metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -156,15 +156,16 @@ class MLAAttention(nnx.Module):
         )
         if md.chunks is None:
             return out
-        ctx_out, ctx_lse = self._context(ks, q, cache, md, md.chunks)
+        ctx_out, ctx_lse = self._context(ks, q, cache, md)
         out, _ = ks.merge_attn_states(ctx_out, ctx_lse, out, lse)
         return out
 
     def _context(
-        self, ks, q: jax.Array, cache: jax.Array, md: PrefillMetadata, chunks: ChunkedContext
+        self, ks, q: jax.Array, cache: jax.Array, md: PrefillMetadata
     ) -> tuple[jax.Array, jax.Array]:
         """Attention of the prefill queries over their cached context, one workspace-sized
         chunk at a time (a scan, so peak memory is one chunk's keys and values)."""
+        chunks = md.chunks
         num_blocks, block_size, width = cache.shape
         rows = cache.reshape(num_blocks * block_size, width)
         lkv = self.cfg.kv_lora_rank

@@ -213,9 +213,8 @@ def build_metadata(
     bp = buckets.prefills(npf)
     positions = np.zeros(bd + tp, np.int32)
     slot_mapping = np.full(bd + tp, PAD_SLOT, np.int32)
-    for lo, sl in ((0, slice(0, nd)), (bd, slice(nd, n_tok))):
-        positions[lo : lo + sl.stop - sl.start] = pos[sl]
-        slot_mapping[lo : lo + sl.stop - sl.start] = slots[sl]
+    positions[:nd], slot_mapping[:nd] = pos[:nd], slots[:nd]
+    positions[bd : bd + n_tok - nd], slot_mapping[bd : bd + n_tok - nd] = pos[nd:], slots[nd:]
 
     logits_indices = np.zeros(bd + bp, np.int32)
     logits_indices[:nd] = np.arange(nd)
@@ -230,7 +229,7 @@ def build_metadata(
             schedule = decode_kernel.plan(
                 d_lens,
                 num_programs=programs,
-                block_k=kernel_plan.decode_block_k(bd),
+                block_k=kernel_plan.decode_config(bd).block_k,
                 num_items=decode_kernel.max_items(bd, programs),
             )
         decode = DecodeMetadata(

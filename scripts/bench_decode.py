@@ -49,7 +49,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
     arg_sets = _inputs(rng, seq_lens, n, sets)
     config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
-    programs = KernelPlan.for_device(n).num_sms * config.programs_per_sm // (n // config.block_h)
+    programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
     schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
     # The schedule is an argument (as it is in the model), not a constant baked in.
     kernel = jax.jit(

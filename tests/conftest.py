@@ -91,11 +91,9 @@ class Step:
     """
 
     def __init__(self, block_size: int, num_blocks: int, workspace_size: int = 4096):
-        self.block_size, self.num_blocks, self.workspace_size = (
-            block_size,
-            num_blocks,
-            workspace_size,
-        )
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.workspace_size = workspace_size
 
     def __call__(self, attn, cache, requests, tables, *, impl="reference"):
         ctx = np.array([c for c, _ in requests])
