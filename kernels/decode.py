@@ -9,6 +9,11 @@ request) and hands each program its consecutive items. Every token is read strai
 the paged cache through the block table, once per block of heads. An item that covers a
 whole request writes the final output; the items of split requests leave float32 partial
 results that a second kernel LSE-merges.
+
+Any head count and widths run: heads are padded to a multiple of 16 (a dot's rows) with zero
+queries, ``Lkv`` and ``R`` to power-of-two tiles whose extra cache columns are masked (never
+read). DeepSeek's 512 + 64 and its head counts need no padding. A program reads only cache
+rows ``[0, seq_len)`` of its request, through the block-table entries those rows need.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import online_softmax as osm
+from . import online_softmax
 
 DEFAULT_NUM_SMS = 132  # H100 / H200
 
@@ -38,16 +43,26 @@ class DecodeConfig(NamedTuple):
     combine_block_h: int  # merge kernel: heads, latent dims and items per step
     combine_block_d: int
     combine_block_items: int
+    # Where an item's last, partial step is masked: False, in every step of one loop; True,
+    # full steps unmasked and the last one in a branch (see default_config).
+    split_tail: bool = False
+
+
+def padded_heads(num_heads: int) -> int:
+    """Heads the kernel runs: N rounded up to a multiple of 16, the fewest rows of a dot.
+    The padding heads get zero queries and are dropped from the output."""
+    return -(-num_heads // 16) * 16
 
 
 def default_config(num_heads: int, batch: int) -> DecodeConfig:
     """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads (a power of
-    two dividing N) share a program: a [64, 512] float32 accumulator is what 8 warps'
-    registers hold. 64-head blocks are compute-bound and want a deep pipeline. Smaller head
+    two dividing the padded N) share a program: a [64, 512] float32 accumulator is what 8
+    warps' registers hold. 64-head blocks are compute-bound and want a deep pipeline. Smaller head
     blocks are bandwidth-bound: large batches want two programs per multiprocessor, small
     ones fewer splits to merge. The merge kernel takes many items per step when few
     requests are each split many ways, and many heads per step otherwise."""
-    block_h = min(num_heads & -num_heads, 64)  # a power of two (Triton) that divides N
+    heads = padded_heads(num_heads)
+    block_h = min(heads & -heads, 64)  # a power of two (Triton) that divides the heads
     if block_h == 64:
         main = (64, 8, 3, 1)
     elif batch >= 32:
@@ -55,13 +70,17 @@ def default_config(num_heads: int, batch: int) -> DecodeConfig:
     else:
         main = (64, 4, 3, 1)
     splits_per_request = DEFAULT_NUM_SMS * main[3] // max(batch, 1)
-    combine = (1, 64, 64) if splits_per_request >= 32 else (min(16, num_heads), 128, 4)
-    return DecodeConfig(block_h, *main, *combine)
+    combine = (1, 64, 64) if splits_per_request >= 32 else (16, 128, 4)
+    # Compute-bound 64-head blocks gain ~3% from unmasked full steps with the partial step
+    # in a branch; bandwidth-bound blocks lose 10-20% to that branch and keep one masked
+    # loop instead (H200, same-run A/B, 2026-11-22).
+    return DecodeConfig(block_h, *main, *combine, split_tail=block_h == 64)
 
 
 def num_programs(config: DecodeConfig, num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Decode programs per block of heads (what ``plan`` schedules for)."""
-    return max(1, num_sms * config.programs_per_sm // (num_heads // config.block_h))
+    head_blocks = padded_heads(num_heads) // config.block_h
+    return max(1, num_sms * config.programs_per_sm // head_blocks)
 
 
 class DecodeSchedule(NamedTuple):
@@ -132,6 +151,16 @@ def _whole_requests(seq_lens: jax.Array) -> DecodeSchedule:
     return DecodeSchedule(idx, idx[:-1], jnp.zeros(b, jnp.int32), seq_lens, idx)
 
 
+def _row_columns(ref, rows: jax.Array, first: int, count: int, tile: int) -> jax.Array:
+    """Columns ``[first, first + count)`` of the given ``rows`` of ``ref`` as a
+    ``[len(rows), tile]`` tile, zero (and not read) past ``count``."""
+    if count == tile:
+        return ref[rows, pl.ds(first, count)]
+    cols = jnp.arange(tile, dtype=jnp.int32)[None, :]
+    mask = jnp.broadcast_to(cols < count, (rows.shape[0], tile))
+    return plgpu.load(ref.at[rows[:, None], first + cols], mask=mask, other=0)
+
+
 def _decode_kernel(
     prog_items_ref,
     item_req_ref,
@@ -151,33 +180,60 @@ def _decode_kernel(
     block_h: int,
     block_k: int,
     block_size: int,
+    num_lat: int,
+    rope: int,
+    split_tail: bool,
 ):
-    """One program x one block of heads: online softmax over each of its items."""
+    """One program x one block of heads: online softmax over each of its items. Queries
+    and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns)."""
     h, p = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(h * block_h, block_h)
-    num_lat = q_lat_ref.shape[-1]
-    rope = q_pe_ref.shape[-1]
-    width = block_table_ref.shape[-1]
+    lat_tile, rope_tile = q_lat_ref.shape[-1], q_pe_ref.shape[-1]
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
         q_lat = q_lat_ref[req, heads, :]
         q_pe = q_pe_ref[req, heads, :]
+        # Tokens past the item's end read its last token instead, a row the request owns:
+        # no block-table entry or cache row outside [0, seq_len) is touched, and their scores
+        # are masked.
+        last = end - 1
+        last_page = last // block_size
+        last_row = block_table_ref[req, last_page] * block_size + last % block_size
 
-        def step(j, state):
+        def step(j, state, *, masked: bool):
+            """``block_k`` tokens from ``start + j * block_k``; unmasked steps lie inside
+            ``[start, end)``."""
             tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            page = block_table_ref[req, jnp.minimum(tok // block_size, width - 1)]
-            rows = page * block_size + tok % block_size
-            kv_c = kv_ref[rows, pl.ds(0, num_lat)]
-            k_pe = kv_ref[rows, pl.ds(num_lat, rope)]
-            s = osm.dot(q_lat, kv_c, trans_b=True) + osm.dot(q_pe, k_pe, trans_b=True)
-            s = jnp.where((tok < end)[None, :], s * (scale * osm.LOG2E), -jnp.inf)
-            return osm.update(state, s, kv_c)
+            if masked:
+                page = block_table_ref[req, jnp.minimum(tok // block_size, last_page)]
+                rows = jnp.where(tok < end, page * block_size + tok % block_size, last_row)
+            else:
+                rows = block_table_ref[req, tok // block_size] * block_size + tok % block_size
+            kv_c = _row_columns(kv_ref, rows, 0, num_lat, lat_tile)
+            k_pe = _row_columns(kv_ref, rows, num_lat, rope, rope_tile)
+            s = online_softmax.dot(q_lat, kv_c, trans_b=True)
+            s += online_softmax.dot(q_pe, k_pe, trans_b=True)
+            s *= scale * online_softmax.LOG2E
+            if masked:
+                s = jnp.where((tok < end)[None, :], s, -jnp.inf)
+            return online_softmax.update(state, s, kv_c)
 
-        state = jax.lax.fori_loop(
-            0, pl.cdiv(end - start, block_k), step, osm.init(block_h, num_lat)
-        )
-        out, lse = osm.finalize(state)
+        state = online_softmax.init(block_h, lat_tile)
+        num_steps = pl.cdiv(end - start, block_k)
+        if split_tail:
+            # A branch, not a second loop: Triton gives every loop its own pipeline.
+            num_full = (end - start) // block_k
+            state = jax.lax.fori_loop(0, num_full, functools.partial(step, masked=False), state)
+            state = jax.lax.cond(
+                num_full < num_steps,
+                functools.partial(step, num_full, masked=True),
+                lambda state: state,
+                state,
+            )
+        else:
+            state = jax.lax.fori_loop(0, num_steps, functools.partial(step, masked=True), state)
+        out, lse = online_softmax.finalize(state)
         whole = (start == 0) & (end == seq_lens_ref[req])
 
         @pl.when(whole)
@@ -224,14 +280,14 @@ def _combine_kernel(
         lse = plgpu.load(
             lse_part_ref.at[pl.ds(i, block_items), heads], mask=ok[:, None], other=-jnp.inf
         )
-        return osm.merge_block(state, o, lse)
+        return online_softmax.merge_block(state, o, lse)
 
     @pl.when(last - first != 1)
     def _():
         state = jax.lax.fori_loop(
-            0, pl.cdiv(last - first, block_items), body, osm.init(block_h, block_d)
+            0, pl.cdiv(last - first, block_items), body, online_softmax.init(block_h, block_d)
         )
-        out, lse = osm.finalize(state, log2_domain=False)
+        out, lse = online_softmax.finalize(state, log2_domain=False)
         out_ref[b, heads, dims] = out.astype(out_ref.dtype)
 
         @pl.when(d == 0)
@@ -246,17 +302,17 @@ def _check(q_lat, q_pe, kv_cache, block_table, seq_lens, block_h):
         )
     b, n, lkv = q_lat.shape
     r = q_pe.shape[-1]
+    if min(n, lkv, r) < 1:
+        raise ValueError(f"q_lat {q_lat.shape} and q_pe {q_pe.shape} need N, Lkv and R >= 1")
     if q_pe.shape[:2] != (b, n):
         raise ValueError(f"q_pe {q_pe.shape} must be [B={b}, N={n}, R]")
     if kv_cache.shape[-1] != lkv + r:
         raise ValueError(f"kv_cache rows are {kv_cache.shape[-1]} wide, expected {lkv} + {r}")
-    for name, d in (("Lkv", lkv), ("R", r)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name} = {d} must be a power of two >= 16 (Triton tiles)")
-    if n % 16:
-        raise ValueError(f"the number of heads ({n}) must be a multiple of 16")
-    if n % block_h:
-        raise ValueError(f"block_h ({block_h}) must divide the number of heads ({n})")
+    if block_h < 16 or block_h & (block_h - 1) or padded_heads(n) % block_h:
+        raise ValueError(
+            f"block_h ({block_h}) must be a power of two >= 16 dividing the {n} heads rounded "
+            f"up to a multiple of 16 ({padded_heads(n)})"
+        )
     if block_table.ndim != 2 or block_table.shape[0] != b or block_table.dtype != jnp.int32:
         raise ValueError(
             f"block_table must be int32 [B={b}, W], got {block_table.dtype}"
@@ -310,10 +366,12 @@ def mla_decode(
     """Absorbed MLA decode over a paged latent cache.
 
     Args:
-      q_lat: ``[B, N, Lkv]`` queries in the latent space (N a multiple of 16).
+      q_lat: ``[B, N, Lkv]`` queries in the latent space (any N, Lkv >= 1).
       q_pe: ``[B, N, R]`` rotated rope queries.
       kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)``.
-      block_table: ``[B, W]`` int32; ``W * block_size`` must cover every ``seq_lens``.
+      block_table: ``[B, W]`` int32; ``W * block_size`` must cover every ``seq_lens``. Only
+        the first ``cdiv(seq_lens[b], block_size)`` entries of row b are read; the rest may
+        hold anything (-1, a stale id), and cache rows past ``seq_lens[b]`` are never read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
       schedule: the split-KV plan (``plan``, built on the host from the metadata); None
@@ -328,10 +386,10 @@ def mla_decode(
     _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
     if interpret is None:
-        interpret = osm.interpret_default()
+        interpret = online_softmax.interpret_default()
     config = config._replace(
-        combine_block_h=min(config.combine_block_h, n),
-        combine_block_d=min(config.combine_block_d, q_lat.shape[-1]),
+        combine_block_h=min(config.combine_block_h, padded_heads(n)),
+        combine_block_d=min(config.combine_block_d, online_softmax.tile_width(q_lat.shape[-1])),
     )
     return _mla_decode(
         q_lat,
@@ -351,7 +409,12 @@ def _mla_decode(
     q_lat, q_pe, kv_cache, block_table, seq_lens, schedule, *, scale, config, interpret
 ):
     b, n, lkv = q_lat.shape
+    rope = q_pe.shape[-1]
     num_blocks, block_size, width = kv_cache.shape
+    heads = padded_heads(n)
+    lat_tile = online_softmax.tile_width(lkv)
+    q_lat = online_softmax.pad_to(q_lat, (b, heads, lat_tile))
+    q_pe = online_softmax.pad_to(q_pe, (b, heads, online_softmax.tile_width(rope)))
     if schedule is None:
         schedule = _whole_requests(seq_lens)
     num_programs = schedule.prog_items.shape[0] - 1
@@ -363,13 +426,16 @@ def _mla_decode(
             block_h=config.block_h,
             block_k=config.block_k,
             block_size=block_size,
+            num_lat=lkv,
+            rope=rope,
+            split_tail=config.split_tail,
         ),
-        grid=(n // config.block_h, num_programs),
+        grid=(heads // config.block_h, num_programs),
         out_shape=(
-            jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
-            jax.ShapeDtypeStruct((b, n), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, n, lkv), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, n), jnp.float32),
+            jax.ShapeDtypeStruct((b, heads, lat_tile), q_lat.dtype),
+            jax.ShapeDtypeStruct((b, heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, heads, lat_tile), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, heads), jnp.float32),
         ),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
@@ -387,20 +453,21 @@ def _mla_decode(
         q_pe,
         kv_cache.reshape(num_blocks * block_size, width),
     )
-    return pl.pallas_call(
+    out, lse = pl.pallas_call(
         functools.partial(
             _combine_kernel,
             block_h=config.combine_block_h,
             block_d=config.combine_block_d,
             block_items=config.combine_block_items,
         ),
-        grid=(n // config.combine_block_h, b, lkv // config.combine_block_d),
+        grid=(heads // config.combine_block_h, b, lat_tile // config.combine_block_d),
         out_shape=(
-            jax.ShapeDtypeStruct((b, n, lkv), q_lat.dtype),
-            jax.ShapeDtypeStruct((b, n), jnp.float32),
+            jax.ShapeDtypeStruct((b, heads, lat_tile), q_lat.dtype),
+            jax.ShapeDtypeStruct((b, heads), jnp.float32),
         ),
         input_output_aliases={3: 0, 4: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="mla_decode_combine",
     )(schedule.req_items, o_part, lse_part, out, lse)
+    return out[:, :n, :lkv], lse[:, :n]

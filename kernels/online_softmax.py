@@ -1,5 +1,5 @@
-"""Pieces shared by the Pallas kernels: the online softmax, the LSE merge, dots, and backend
-selection.
+"""Pieces shared by the Pallas kernels: the online softmax, the LSE merge, dots, padded tiles
+and backend selection.
 
 Inside a kernel, scores live in the log2 domain (already multiplied by
 ``scale * log2(e)``) so that ``exp2`` replaces ``exp``; ``finalize`` hands back the natural
@@ -22,6 +22,19 @@ LN2 = math.log(2.0)
 def interpret_default() -> bool:
     """Pallas runs compiled (Triton) on GPUs and in interpret mode anywhere else."""
     return jax.default_backend() != "gpu"
+
+
+def tile_width(d: int, minimum: int = 16) -> int:
+    """The power-of-two tile that holds ``d`` columns (Triton tiles are powers of two, and a
+    dot operand is at least 16 wide)."""
+    return 1 << (max(d, minimum) - 1).bit_length()
+
+
+def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` zero-padded at the end of each axis to ``shape`` (itself when it fits)."""
+    if x.shape == shape:
+        return x
+    return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape, strict=True)])
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:

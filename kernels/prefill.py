@@ -1,7 +1,9 @@
 """Ragged (varlen) flash attention forward with LSE (Pallas, Triton lowering).
 
 MLA's prefill is MHA with q/k 192 = 128 + 64 wide and v 128 wide; the q/k dimension is
-processed as power-of-two pieces (Triton tiles). Query rows are cut into tiles of
+processed as power-of-two pieces (Triton tiles). Other widths are zero-padded: q/k to a
+multiple of 16 (pieces of at least 16, a dot's depth), v to a power of two; DeepSeek's widths
+need no padding. Any head count runs (one head per program). Query rows are cut into tiles of
 ``block_q`` rows that never straddle two sequences; the tile -> sequence schedule comes from
 the host (``plan``), so that a batch of one long and many short prompts runs exactly the
 tiles it needs, heaviest first. Padding rows past the last sequence form a key-less segment:
@@ -19,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import online_softmax as osm
+from . import online_softmax
 
 # Tuned on an H200 (scripts/bench_prefill.py --sweep): 128 query rows, 64 keys per step,
 # 8 warps, a 3-deep pipeline.
@@ -76,7 +78,7 @@ def plan(cu_seqlens_q, num_rows: int, block_q: int, *, num_tiles=None, xp=np) ->
 
 
 def _pieces(d: int) -> tuple[int, ...]:
-    """``d`` as descending powers of two (192 -> 128 + 64)."""
+    """``d`` as descending powers of two (192 -> 128 + 64); ``d`` a multiple of 16."""
     return tuple(1 << i for i in reversed(range(d.bit_length())) if d >> i & 1)
 
 
@@ -137,23 +139,23 @@ def _prefill_kernel(
         s = 0.0
         for qp, o, d in zip(qs, offsets, pieces, strict=True):
             kp = load(k_ref.at[pl.ds(first, block_k), h, pl.ds(o, d)])
-            s = s + osm.dot(qp, kp, trans_b=True)
+            s = s + online_softmax.dot(qp, kp, trans_b=True)
         v = load(v_ref.at[pl.ds(first, block_k), h, :])
-        s = s * (scale * osm.LOG2E)
+        s = s * (scale * online_softmax.LOG2E)
         if masked:
             mask = col_ok[None, :]
             if causal:
                 mask = mask & (cols[None, :] <= last_key[:, None])
             s = jnp.where(mask, s, -jnp.inf)
-        return osm.update(state, s, v)
+        return online_softmax.update(state, s, v)
 
-    state = osm.init(block_q, v_ref.shape[-1])
+    state = online_softmax.init(block_q, v_ref.shape[-1])
     num_clear = (k_all - k0) // block_k
     state = jax.lax.fori_loop(0, num_clear, functools.partial(body, masked=False), state)
     state = jax.lax.fori_loop(
         num_clear, pl.cdiv(k_hi - k0, block_k), functools.partial(body, masked=True), state
     )
-    out, lse = osm.finalize(state)
+    out, lse = online_softmax.finalize(state)
     plgpu.store(o_ref.at[pl.ds(r0, block_q), h, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[pl.ds(r0, block_q), h], lse, mask=row_ok)
 
@@ -167,12 +169,8 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
         raise ValueError(
             f"q, k, v must all be bfloat16 or float32, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    dv = v.shape[-1]
-    if min(_pieces(q.shape[-1])) < 16 or dv < 16 or dv & (dv - 1):
-        raise ValueError(
-            f"q/k width {q.shape[-1]} must be a sum of powers of two >= 16 and v width {dv} a "
-            "power of two >= 16 (Triton tiles)"
-        )
+    if min(q.shape[1:]) < 1 or v.shape[-1] < 1:
+        raise ValueError(f"q {q.shape}, v {v.shape}: heads and widths must be >= 1")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.ndim != 1 or cu.shape[0] < 2 or cu.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32 [S + 1], got {cu.dtype}{list(cu.shape)}")
@@ -214,7 +212,8 @@ def flash_prefill(
     """Ragged flash attention forward.
 
     Args:
-      q: ``[Tq, N, Dqk]``; k: ``[Tk, N, Dqk]``; v: ``[Tk, N, Dv]`` (bf16 or f32).
+      q: ``[Tq, N, Dqk]``; k: ``[Tk, N, Dqk]``; v: ``[Tk, N, Dv]`` (bf16 or f32; any N,
+        Dqk, Dv >= 1).
       cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 offsets of the sequences.
       scale: softmax scale.
       causal: query i of a sequence sees its keys up to ``i + len_k - len_q``; otherwise all.
@@ -229,7 +228,7 @@ def flash_prefill(
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     _check_values(q, k, cu_seqlens_q, cu_seqlens_k)
     if interpret is None:
-        interpret = osm.interpret_default()
+        interpret = online_softmax.interpret_default()
     return _flash_prefill(
         q,
         k,
@@ -276,6 +275,11 @@ def _flash_prefill(
     interpret,
 ):
     tq, n, dqk = q.shape
+    dv = v.shape[-1]
+    qk_width = -(-dqk // 16) * 16
+    q = online_softmax.pad_to(q, (tq, n, qk_width))
+    k = online_softmax.pad_to(k, (k.shape[0], n, qk_width))
+    v = online_softmax.pad_to(v, (v.shape[0], n, online_softmax.tile_width(dv)))
     if schedule is None:
         schedule = plan(
             cu_seqlens_q,
@@ -294,9 +298,9 @@ def _flash_prefill(
         causal=causal,
         block_q=block_q,
         block_k=block_k,
-        pieces=_pieces(dqk),
+        pieces=_pieces(qk_width),
     )
-    return pl.pallas_call(
+    out, lse = pl.pallas_call(
         kernel,
         grid=(schedule.tile_seq.shape[0], n),
         out_shape=(
@@ -316,3 +320,4 @@ def _flash_prefill(
         k,
         v,
     )
+    return out[..., :dv], lse

@@ -41,7 +41,8 @@ def mla_decode(
       q_lat: ``[B, N, Lkv]`` queries absorbed into the latent space.
       q_pe: ``[B, N, R]`` rotated rope part of the queries.
       kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)``.
-      block_table: ``[B, W]`` int32 block ids of each sequence.
+      block_table: ``[B, W]`` int32 block ids of each sequence; entries past
+        ``cdiv(seq_lens[b], block_size)`` are never used (may hold anything).
       seq_lens: ``[B]`` int32 keys per sequence (0: empty row).
       scale: softmax scale.
       schedule: the Pallas kernel's work plan; ignored here.
@@ -52,16 +53,37 @@ def mla_decode(
     del schedule
     num_lat = q_lat.shape[-1]
     b, w = block_table.shape
-    block_size = kv_cache.shape[1]
-    kv = kv_cache[block_table].reshape(b, w * block_size, kv_cache.shape[-1])
+    positions = jnp.arange(w * kv_cache.shape[1])[None, :]
+    mask = positions < seq_lens[:, None]
+    kv = gather_rows(kv_cache, block_table, jnp.arange(b)[:, None], positions, mask)
     kv_c, k_pe = kv[..., :num_lat], kv[..., num_lat:]
     f32 = jnp.float32
     s = jnp.einsum("bnl,bkl->bnk", q_lat, kv_c, preferred_element_type=f32)
     s += jnp.einsum("bnr,bkr->bnk", q_pe, k_pe, preferred_element_type=f32)
-    mask = jnp.arange(w * block_size)[None, None, :] < seq_lens[:, None, None]
-    p, lse = _softmax_with_lse(s * scale, mask)
+    p, lse = _softmax_with_lse(s * scale, mask[:, None, :])
     out = jnp.einsum("bnk,bkl->bnl", p, kv_c.astype(f32), preferred_element_type=f32)
     return out.astype(q_lat.dtype), lse
+
+
+def gather_rows(
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    requests: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+) -> jax.Array:
+    """Cache rows of (request, position) pairs through the block table.
+
+    ``kv_cache [num_blocks, block_size, width]``, ``block_table [R, W]`` int32; ``requests``,
+    ``positions`` and ``valid`` share a shape ``S``. Returns ``[*S, width]``, zero where not
+    ``valid``: those pairs address no cache row (an out-of-range slot read in fill mode), so
+    stale rows and padded table entries (-1, any id) never reach the arithmetic.
+    """
+    num_blocks, block_size, width = kv_cache.shape
+    rows = kv_cache.reshape(num_blocks * block_size, width)
+    page = block_table[requests, jnp.where(valid, positions // block_size, 0)]
+    slot = jnp.where(valid, page * block_size + positions % block_size, rows.shape[0])
+    return rows.at[slot].get(mode="fill", fill_value=0)
 
 
 def _segments(cu_seqlens: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:

@@ -23,7 +23,7 @@ import kernels
 
 from .cache import write_cache
 from .config import MLAConfig
-from .layers import RMSNorm, linear
+from .layers import RMSNorm, linear, matmul_precision
 from .metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from .rope import apply_rope, rope_cos_sin
 
@@ -65,16 +65,16 @@ class MLAAttention(nnx.Module):
         self,
         x: jax.Array,
         cache: jax.Array,
-        md: AttentionMetadata,
+        metadata: AttentionMetadata,
         *,
         impl: str = "auto",
     ) -> tuple[jax.Array, jax.Array]:
         """One step.
 
         Args:
-          x: ``[T, H]`` hidden states, laid out as ``md`` says.
+          x: ``[T, H]`` hidden states, laid out as ``metadata`` says.
           cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache.
-          md: the step's metadata (device arrays).
+          metadata: the step's metadata (device arrays).
           impl: kernels to use (``kernels.select``).
 
         Returns:
@@ -92,106 +92,142 @@ class MLAAttention(nnx.Module):
         kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         k_pe = kv[:, c.kv_lora_rank :]
 
-        cos, sin = rope_cos_sin(c.rope, c.qk_rope_head_dim, md.positions)
+        cos, sin = rope_cos_sin(c.rope, c.qk_rope_head_dim, metadata.positions)
         q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope.interleaved)
-        cache = write_cache(cache, kv_c, k_pe, md.slot_mapping)
+        cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping)
 
-        ks = kernels.select(impl)
-        bd = md.num_decode_tokens
+        kernel_set = kernels.select(impl)
+        num_decodes = metadata.num_decode_tokens
         outs = []
-        if md.decode is not None:
-            outs.append(self._decode(ks, q_nope[:bd], q_pe[:bd], cache, md.decode))
-        if md.prefill is not None:
-            q = jnp.concatenate([q_nope[bd:], q_pe[bd:]], axis=-1)
-            outs.append(self._prefill(ks, q, kv_c[bd:], k_pe[bd:], cache, md.prefill))
+        if metadata.decode is not None:
+            outs.append(
+                self._decode(
+                    kernel_set, q_nope[:num_decodes], q_pe[:num_decodes], cache, metadata.decode
+                )
+            )
+        if metadata.prefill is not None:
+            q = jnp.concatenate([q_nope[num_decodes:], q_pe[num_decodes:]], axis=-1)
+            outs.append(
+                self._prefill(
+                    kernel_set,
+                    q,
+                    kv_c[num_decodes:],
+                    k_pe[num_decodes:],
+                    cache,
+                    metadata.prefill,
+                )
+            )
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         return self.o_proj(o.reshape(t, c.num_heads * c.v_head_dim).astype(x.dtype)), cache
 
     def _decode(
-        self, ks, q_nope: jax.Array, q_pe: jax.Array, cache: jax.Array, md: DecodeMetadata
+        self,
+        kernel_set: kernels.KernelSet,
+        q_nope: jax.Array,
+        q_pe: jax.Array,
+        cache: jax.Array,
+        metadata: DecodeMetadata,
     ) -> jax.Array:
         """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
-        f32 = jnp.float32
-        q_lat = jnp.einsum("bnp,lnp->bnl", q_nope, self.W_UK, preferred_element_type=f32)
-        o_lat, _ = ks.mla_decode(
+        q_lat = jnp.einsum(
+            "bnp,lnp->bnl",
+            q_nope,
+            self.W_UK,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(q_nope.dtype),
+        )
+        o_lat, _ = kernel_set.mla_decode(
             q_lat.astype(cache.dtype),
             q_pe.astype(cache.dtype),
             cache,
-            md.block_table,
-            md.seq_lens,
+            metadata.block_table,
+            metadata.seq_lens,
             scale=self.cfg.softmax_scale,
-            schedule=md.schedule,
+            schedule=metadata.schedule,
         )
-        return jnp.einsum("bnl,lnv->bnv", o_lat, self.W_UV.astype(o_lat.dtype))
+        return jnp.einsum(
+            "bnl,lnv->bnv",
+            o_lat,
+            self.W_UV.astype(o_lat.dtype),
+            precision=matmul_precision(o_lat.dtype),
+        )
 
     def _up_project(self, kv_c: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``kv_c [T, Lkv]``, ``k_pe [T, R]`` -> keys ``[T, N, P + R]``, values ``[T, N, V]``."""
         dt = kv_c.dtype
-        k_nope = jnp.einsum("tl,lnp->tnp", kv_c, self.W_UK.astype(dt))
-        v = jnp.einsum("tl,lnv->tnv", kv_c, self.W_UV.astype(dt))
+        precision = matmul_precision(dt)
+        k_nope = jnp.einsum("tl,lnp->tnp", kv_c, self.W_UK.astype(dt), precision=precision)
+        v = jnp.einsum("tl,lnv->tnv", kv_c, self.W_UV.astype(dt), precision=precision)
         k_pe = jnp.broadcast_to(k_pe[:, None, :], (*k_nope.shape[:2], k_pe.shape[-1]))
         return jnp.concatenate([k_nope, k_pe.astype(dt)], axis=-1), v
 
     def _prefill(
         self,
-        ks,
+        kernel_set: kernels.KernelSet,
         q: jax.Array,
         kv_c: jax.Array,
         k_pe: jax.Array,
         cache: jax.Array,
-        md: PrefillMetadata,
+        metadata: PrefillMetadata,
     ) -> jax.Array:
         """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
         k, v = self._up_project(kv_c, k_pe)
-        out, lse = ks.flash_prefill(
+        out, lse = kernel_set.flash_prefill(
             q,
             k,
             v,
-            md.query_start_loc,
-            md.query_start_loc,
+            metadata.query_start_loc,
+            metadata.query_start_loc,
             scale=self.cfg.softmax_scale,
             causal=True,
-            schedule=md.schedule,
+            schedule=metadata.schedule,
         )
-        if md.chunks is None:
+        if metadata.chunks is None:
             return out
-        ctx_out, ctx_lse = self._context(ks, q, cache, md)
-        out, _ = ks.merge_attn_states(ctx_out, ctx_lse, out, lse)
-        return out
+        context_out, context_lse = self._context(kernel_set, q, cache, metadata)
+        out, _ = kernel_set.merge_attn_states(context_out, context_lse, out, lse)
+        return out.astype(q.dtype)
 
     def _context(
-        self, ks, q: jax.Array, cache: jax.Array, md: PrefillMetadata
+        self,
+        kernel_set: kernels.KernelSet,
+        q: jax.Array,
+        cache: jax.Array,
+        metadata: PrefillMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         """Attention of the prefill queries over their cached context, one workspace-sized
-        chunk at a time (a scan, so peak memory is one chunk's keys and values)."""
-        chunks = md.chunks
-        num_blocks, block_size, width = cache.shape
-        rows = cache.reshape(num_blocks * block_size, width)
+        chunk at a time (a scan, so peak memory is one chunk's keys and values). The
+        running result is float32, so that many chunks add no bf16 rounding."""
+        chunks = metadata.chunks
         lkv = self.cfg.kv_lora_rank
 
         def chunk(carry, plan):
             cu_seq_lens, starts, total = plan
-            slots = _workspace_slots(
-                cu_seq_lens, starts, total, md.block_table, block_size, chunks.workspace_size
-            )
-            ws = rows[slots].astype(q.dtype)
-            k, v = self._up_project(ws[:, :lkv], ws[:, lkv:])
-            o, lse = ks.flash_prefill(
+            workspace = _gather_workspace(
+                cache,
+                metadata.block_table,
+                cu_seq_lens,
+                starts,
+                total,
+                chunks.workspace_size,
+            ).astype(q.dtype)
+            k, v = self._up_project(workspace[:, :lkv], workspace[:, lkv:])
+            out, lse = kernel_set.flash_prefill(
                 q,
                 k,
                 v,
-                md.query_start_loc,
+                metadata.query_start_loc,
                 cu_seq_lens,
                 scale=self.cfg.softmax_scale,
                 causal=False,
-                schedule=md.schedule,
+                schedule=metadata.schedule,
             )
-            return ks.merge_attn_states(*carry, o, lse), None
+            return kernel_set.merge_attn_states(*carry, out, lse), None
 
         tq, n = q.shape[:2]
         init = (
-            jnp.zeros((tq, n, self.cfg.v_head_dim), q.dtype),
+            jnp.zeros((tq, n, self.cfg.v_head_dim), jnp.float32),
             jnp.full((tq, n), -jnp.inf, jnp.float32),
         )
         (out, lse), _ = jax.lax.scan(
@@ -200,17 +236,18 @@ class MLAAttention(nnx.Module):
         return out, lse
 
 
-def _workspace_slots(
+def _gather_workspace(
+    cache: jax.Array,
+    block_table: jax.Array,
     cu_seq_lens: jax.Array,
     starts: jax.Array,
     total: jax.Array,
-    block_table: jax.Array,
-    block_size: int,
     workspace_size: int,
 ) -> jax.Array:
-    """Cache slot of each of the chunk's ``workspace_size`` rows (0 past ``total``)."""
+    """``[workspace_size, Lkv + R]``: the chunk's context rows, prefill ``r``'s positions
+    ``[starts[r], ...)`` at workspace rows ``[cu_seq_lens[r], cu_seq_lens[r + 1])``; rows
+    past ``total`` are zero and read no cache row."""
     i = jnp.arange(workspace_size)
-    r = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
-    pos = starts[r] + i - cu_seq_lens[r]
-    block = block_table[r, jnp.clip(pos // block_size, 0, block_table.shape[1] - 1)]
-    return jnp.where(i < total, block * block_size + pos % block_size, 0)
+    request = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
+    position = starts[request] + i - cu_seq_lens[request]
+    return kernels.reference.gather_rows(cache, block_table, request, position, i < total)

@@ -20,8 +20,20 @@ class RMSNorm(nnx.Module):
         return (self.weight[...] * y.astype(x.dtype)).astype(x.dtype)
 
 
+def matmul_precision(dtype) -> jax.lax.Precision | None:
+    """True float32 products for float32 operands (GPUs would otherwise round them to TF32,
+    and float32 runs are what is compared with transformers); the default for the rest."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def linear(n_in: int, n_out: int, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
     """Bias-free ``[n_in, n_out]`` projection computing in ``param_dtype``."""
     return nnx.Linear(
-        n_in, n_out, use_bias=False, dtype=param_dtype, param_dtype=param_dtype, rngs=rngs
+        n_in,
+        n_out,
+        use_bias=False,
+        dtype=param_dtype,
+        param_dtype=param_dtype,
+        precision=matmul_precision(param_dtype),
+        rngs=rngs,
     )

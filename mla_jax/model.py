@@ -8,7 +8,7 @@ from flax import nnx
 
 from .attention import MLAAttention
 from .config import ModelConfig
-from .layers import RMSNorm, linear
+from .layers import RMSNorm, linear, matmul_precision
 from .metadata import AttentionMetadata
 
 
@@ -83,5 +83,9 @@ class DeepseekModel(nnx.Module):
             x, cache = layer(x, cache, md, impl=impl)
             new_caches.append(cache)
         x = self.norm(x[md.logits_indices])
-        logits = self.embed_tokens.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
+        if self.cfg.tie_word_embeddings:
+            embedding = self.embed_tokens.embedding[...]
+            logits = jnp.dot(x, embedding.T, precision=matmul_precision(embedding.dtype))
+        else:
+            logits = self.lm_head(x)
         return logits.astype(jnp.float32), tuple(new_caches)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -19,6 +20,15 @@ from mla_jax.metadata import build_metadata  # noqa: E402
 from mla_jax.rope import cos_sin_scale, inv_freq  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def generate_script():
+    """``scripts/generate.py`` as a module (scripts/ is not a package)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_mla(
@@ -124,15 +134,39 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-_BASE_SEED = int(os.environ.get("MLA_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+# Every test draws fresh random inputs from this seed and its own node id. The default is
+# fixed so that CI is repeatable; MLA_TEST_SEED picks other inputs (or replays a failure).
+_BASE_SEED = int(os.environ.get("MLA_TEST_SEED", "0"))
 
 
 def pytest_report_header(config):
-    return f"random inputs: MLA_TEST_SEED={_BASE_SEED} (set it to replay a run)"
+    kernels_run = "compiled (Triton)" if jax.default_backend() == "gpu" else "interpreted"
+    return [
+        f"random inputs: MLA_TEST_SEED={_BASE_SEED} (set it to draw others)",
+        f"jax {jax.__version__} on {jax.default_backend()}: Pallas kernels {kernels_run}",
+    ]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (shapes too large to interpret) run only on a GPU."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: the kernels compiled through Triton")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and "rng" in getattr(item, "fixturenames", ()):
+        report.sections.append(("random inputs", f"MLA_TEST_SEED={_BASE_SEED}"))
+    return report
 
 
 @pytest.fixture
 def rng(request):
-    """Fresh random inputs on every run; MLA_TEST_SEED replays one (the header prints it)."""
+    """Random inputs from MLA_TEST_SEED and the test's id (printed with any failure)."""
     digest = sum(ord(c) * 31**i for i, c in enumerate(request.node.nodeid)) % 2**31
     return np.random.default_rng([_BASE_SEED, digest])

@@ -1,8 +1,11 @@
-"""The Pallas ragged flash-attention prefill and LSE merge against float64 NumPy, and the
-module's chunked-prefill path on them.
+"""The Pallas ragged flash-attention prefill and LSE merge against float64 NumPy (the
+module's chunked prefill on them is in test_attention.py).
 
 Interpret mode on CPU (outputs start as NaN, so unwritten rows fail), Triton on a GPU.
-Tolerances: float32 1e-5 relative; bfloat16 2e-2 (probabilities rounded to bf16 for PV).
+Tolerances, from the errors measured against float64 (8 seeds, CPU, 2026-11-22) with a
+margin of about 2x: float32, out 1e-5 relative (measured < 2e-6) and lse 1e-5 absolute;
+bfloat16 inputs, out 4e-3 (measured <= 1.7e-3 for prefill and 1.6e-3 for the merge:
+probabilities and outputs are rounded to bf16) and lse 1e-5 absolute (measured <= 1.5e-6).
 """
 
 from __future__ import annotations
@@ -11,15 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import numpy_ref as ref
 import pytest
-from conftest import Step, mla_dims, mla_weights_np, randomize, rel_err
-from flax import nnx
+from conftest import rel_err
 
 from kernels import merge, prefill
-from mla_jax.attention import MLAAttention
-from mla_jax.cache import init_cache
-from mla_jax.config import MLAConfig, RopeConfig
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (4e-3, 1e-5)}
 
 
 def _cast(a, dtype):
@@ -47,10 +46,11 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
     want, want_lse = ref.attention(q, k, v, ref.ragged_mask(cu_q, cu_k, tq, tk, causal), 0.15)
     out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
-    assert rel_err(out, want) < TOL[dtype]
+    out_tol, lse_tol = TOL[dtype]
+    assert rel_err(out, want) < out_tol
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     live = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[live], want_lse[live], rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_allclose(lse[live], want_lse[live], rtol=0, atol=lse_tol)
     assert (out[~live.any(1)] == 0).all()
 
 
@@ -69,9 +69,13 @@ def test_tq_differs_from_tk(rng, causal):
     _run(rng, [5, 17, 2], [30, 17, 64], causal=causal)
 
 
-@pytest.mark.parametrize("n,dqk,dv,block_q", [(32, 48, 32, 32), (16, 192, 128, 16)])
+@pytest.mark.parametrize(
+    "n,dqk,dv,block_q",
+    [(32, 48, 32, 32), (16, 192, 128, 16), (1, 12, 5, 16), (3, 40, 16, 16), (8, 32, 24, 32)],
+)
 def test_heads_and_widths(rng, n, dqk, dv, block_q):
-    """More heads; DeepSeek's 192 = 128 + 64 / 128 widths."""
+    """More heads; DeepSeek's 192 = 128 + 64 / 128 widths; head counts of tensor-parallel
+    shards and widths that are no power of two (padded to Triton tiles)."""
     _run(rng, [40, 9], [40, 9], causal=True, n=n, dqk=dqk, dv=dv, block_q=block_q)
 
 
@@ -95,7 +99,7 @@ def test_plan_covers_every_row_once():
     "mutate,match",
     [
         (lambda a: {**a, "q": a["q"][0]}, "must be 3-D"),
-        (lambda a: {**a, "v": a["v"][..., :12]}, "power of two"),
+        (lambda a: {**a, "v": a["v"][..., :0]}, ">= 1"),
         (lambda a: {**a, "k": a["k"][:, :8]}, "mismatched"),
         (lambda a: {**a, "v": a["v"].astype(jnp.bfloat16)}, "bfloat16 or float32"),
         (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].astype(jnp.float32)}, "int32"),
@@ -115,10 +119,12 @@ def test_bad_inputs(rng, mutate, match):
         prefill.flash_prefill(**mutate(a), scale=1.0, causal=True)
 
 
+@pytest.mark.parametrize("d", [32, 5, 128])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_merge(rng, dtype):
-    """Finite, -inf and mixed sides; a row count that is not a multiple of the block."""
-    t, n, d = 37, 3, 32
+def test_merge(rng, dtype, d):
+    """Finite, -inf and mixed sides; a row count that is not a multiple of the block; any
+    width."""
+    t, n = 37, 3
     po, so = (_cast(rng.standard_normal((t, n, d)), dtype) for _ in range(2))
     pls, sls = (rng.standard_normal((t, n)).astype(np.float32) * 3 for _ in range(2))
     pls[:5, 0], sls[3:8, 0] = -np.inf, -np.inf
@@ -136,10 +142,27 @@ def test_merge(rng, dtype):
         ws = np.nan_to_num(np.exp(sls - want_lse))[..., None]
     want = po * wp + so * ws
     assert not np.isnan(out).any() and not np.isnan(lse).any() and not np.isposinf(lse).any()
-    assert rel_err(out, want) < TOL[dtype]
+    out_tol, lse_tol = TOL[dtype]
+    assert rel_err(out, want) < out_tol
     both = np.isneginf(pls) & np.isneginf(sls)
     assert both.any() and np.isneginf(lse[both]).all() and (out[both] == 0).all()
-    np.testing.assert_allclose(lse[~both], want_lse[~both], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse[~both], want_lse[~both], rtol=0, atol=lse_tol)
+
+
+def test_merge_float32_prefix_keeps_bf16_suffixes_exact(rng):
+    """The module's context loop: a float32 running result merged with bf16 chunk results
+    stays float32 (no rounding to bf16 between chunks)."""
+    t, n, d = 9, 2, 16
+    prefix = rng.standard_normal((t, n, d)).astype(np.float32)
+    suffix = np.asarray(jnp.asarray(rng.standard_normal((t, n, d)), jnp.bfloat16))
+    lses = [jnp.asarray(rng.standard_normal((t, n)), jnp.float32) for _ in range(2)]
+    out, _ = merge.merge_attn_states(jnp.asarray(prefix), lses[0], jnp.asarray(suffix), lses[1])
+    want_lse = np.logaddexp(*(np.asarray(x, np.float64) for x in lses))
+    want = (
+        prefix * np.exp(np.asarray(lses[0]) - want_lse)[..., None]
+        + suffix.astype(np.float64) * np.exp(np.asarray(lses[1]) - want_lse)[..., None]
+    )
+    assert out.dtype == jnp.float32 and rel_err(out, want) < 1e-5
 
 
 def test_merge_bad_inputs():
@@ -148,44 +171,3 @@ def test_merge_bad_inputs():
         merge.merge_attn_states(a, jnp.zeros((4, 2)), a[:3], jnp.zeros((4, 2)))
     with pytest.raises(ValueError, match="float32"):
         merge.merge_attn_states(a, jnp.zeros((4, 2), jnp.bfloat16), a, jnp.zeros((4, 2)))
-
-
-@pytest.mark.parametrize("budget,workspace", [(16, 16), (24, 64), (40, 32)])
-def test_module_chunked_prefill_on_pallas(rng, budget, workspace):
-    """Prompts fed ``budget`` tokens a step through MLAAttention on the Pallas kernels;
-    cached context is gathered ``workspace`` rows at a time; vs dense float64 MLA."""
-    cfg = MLAConfig(
-        hidden_size=64,
-        num_heads=16,
-        q_lora_rank=32,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        rope=RopeConfig(
-            rope_type="yarn",
-            factor=4.0,
-            original_max_position_embeddings=32,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-    )
-    attn = MLAAttention(cfg, rngs=nnx.Rngs(0))
-    randomize(attn, int(rng.integers(2**31)))
-    p, dims = mla_weights_np(attn), mla_dims(cfg)
-    bs, lens = 16, [50, 9]
-    tables = rng.permutation(8)[:8].reshape(2, 4)
-    xs = [rng.standard_normal((n, cfg.hidden_size)).astype(np.float32) for n in lens]
-    step = Step(bs, 8, workspace_size=workspace)
-    cache = init_cache(1, 8, bs, cfg.cache_width, jnp.float32)[0]
-    got, done = [[], []], [0, 0]
-    while done != lens:
-        live = [i for i in range(2) if done[i] < lens[i]]
-        live.sort(key=lambda i: min(budget, lens[i] - done[i]) > 1)
-        reqs = [(done[i], xs[i][done[i] : done[i] + budget]) for i in live]
-        outs, cache = step(attn, cache, reqs, tables[live], impl="pallas")
-        for i, out in zip(live, outs, strict=True):
-            got[i].append(out)
-            done[i] += len(out)
-    for x, g in zip(xs, got, strict=True):
-        assert rel_err(np.concatenate(g), ref.mla(p, dims, x, np.arange(len(x)))) < 2e-5
