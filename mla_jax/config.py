@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A config.json field is missing, has the wrong type, or holds an unsupported value."""
 
 
+def _require_int(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """DeepSeek rotary embedding: plain RoPE (``rope_type="default"``) or YaRN."""
@@ -78,9 +83,7 @@ class MLAConfig:
             "qk_rope_head_dim",
             "v_head_dim",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            _require_int(name, getattr(self, name), minimum=1)
         if self.q_lora_rank is not None and (
             not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0
         ):
@@ -139,10 +142,18 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported "
                 "(expected 'deepseek_v2' or 'deepseek_v3')"
             )
-        for name in ("vocab_size", "num_layers", "intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "intermediate_size",
+            "max_position_embeddings",
+            "moe_layer_freq",
+        ):
+            _require_int(name, getattr(self, name), minimum=1)
+        for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
+            _require_int(name, getattr(self, name), minimum=0)
+        if self.n_routed_experts is not None:
+            _require_int("n_routed_experts", self.n_routed_experts, minimum=1)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -206,17 +217,26 @@ def _parse_rope(d: dict, *, interleaved: bool) -> RopeConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _refuse_quantization(quantization: Any) -> None:
+    """Quantized weights (FP8 and the like) would load as garbage: refuse them by method."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, dict):
+        raise ConfigError(
+            f"config.json field 'quantization_config' must be an object: {quantization!r}"
+        )
+    method = quantization.get("quant_method", "?")
+    raise ConfigError(
+        f"quantized checkpoints ({method}) are not supported: convert the weights to bfloat16 first"
+    )
+
+
 def config_from_dict(d: dict) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face ``config.json`` dict (deepseek_v2 / deepseek_v3)."""
     model_type = _field(d, "model_type", str)
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported (no DeepSeek checkpoint uses it)")
-    if d.get("quantization_config") is not None:
-        method = d["quantization_config"].get("quant_method", "?")
-        raise ConfigError(
-            f"quantized checkpoints ({method}) are not supported: convert the weights to "
-            "bfloat16 first"
-        )
+    _refuse_quantization(d.get("quantization_config"))
     act = _field(d, "hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")

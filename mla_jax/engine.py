@@ -28,6 +28,11 @@ from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
 from .model import DeepseekModel
 
 
+class RequestError(ValueError):
+    """A request the engine cannot run: empty prompt, token ids outside the vocabulary, too
+    long for the model, bad sampling settings."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -144,17 +149,19 @@ class Engine:
     def _check(self, req: Request) -> None:
         vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_position_embeddings
         if not req.prompt_ids:
-            raise ValueError("a prompt needs at least one token")
+            raise RequestError("a prompt needs at least one token")
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         if req.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+            raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
         if req.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {req.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {req.temperature}")
         total = len(req.prompt_ids) + req.max_new_tokens
         if total > max_len:
-            raise ValueError(
+            raise RequestError(
                 f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
                 f"{total} exceeds max_position_embeddings {max_len}"
             )

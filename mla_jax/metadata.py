@@ -341,14 +341,58 @@ def _validate(context_lens, query_lens, block_table, block_size, num_blocks):
         f"block_table (width {bt.shape[1]}) is narrower than a request needs",
         needed,
     )
-    used = np.arange(bt.shape[1])[None, :] < needed[:, None]
+    # int32: half the time of an int64 compare over the [R, W] grid (widths are small)
+    used = np.arange(bt.shape[1], dtype=np.int32)[None, :] < needed.astype(np.int32)[:, None]
     bad = used & ((bt < 0) | (bt >= num_blocks))
     if bad.any():
         r, w = np.argwhere(bad)[0]
         raise MetadataError(
             f"block_table[{r}, {w}] = {bt[r, w]} is not a block id in [0, {num_blocks})"
         )
+    _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks)
     return ctx, qlen, bt
+
+
+def _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks):
+    """No request's new tokens may go into a block that another request reads as context:
+    the step writes the cache before attention reads it. Only a request's own partly filled
+    last block is both. One gather over the used table entries; the rest is per written
+    entry (about one per request)."""
+    first = ctx // block_size  # the first table entry that receives new tokens
+    counts = needed - first
+    writer = np.repeat(np.arange(bt.shape[0]), counts)
+    column = np.arange(writer.shape[0]) - np.repeat(np.cumsum(counts) - counts - first, counts)
+    written = bt[writer, column]
+    is_written = np.zeros(num_blocks, bool)
+    is_written[written] = True
+    # Every written entry is used and names a written block; any other such entry is a full
+    # context block (column < first) that some request writes.
+    hits = used & np.take(is_written, bt, mode="clip")
+    if np.count_nonzero(hits) > written.shape[0]:
+        reader, w = np.argwhere(hits & (np.arange(bt.shape[1]) < first[:, None]))[0]
+        _raise_overwrite(reader, bt[reader, w], writer, written)
+    # A partly filled last block is its reader's first written entry: a second write entry of
+    # the same block (any request's) writes into that context.
+    ordered = np.sort(written)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if twice.size:
+        partial = np.flatnonzero(ctx % block_size)
+        shared = np.isin(bt[partial, first[partial]], twice)
+        if shared.any():
+            reader = partial[np.argmax(shared)]
+            _raise_overwrite(reader, bt[reader, first[reader]], writer, written)
+
+
+def _raise_overwrite(reader, block, writer, written):
+    """Names a request that writes ``block``: another than ``reader`` unless only it does (a
+    block listed twice in its own table)."""
+    writers = writer[written == block]
+    others = writers[writers != reader]
+    culprit = others[0] if others.size else reader
+    raise MetadataError(
+        f"request {culprit} writes new tokens into cache block {block}, which request {reader} "
+        "reads as context: block tables overlap"
+    )
 
 
 def _check(ok: np.ndarray, message: str, values: np.ndarray) -> None:

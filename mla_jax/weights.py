@@ -8,16 +8,18 @@ is ``model.layers.3.self_attn.q_a_proj.weight`` transposed (HF stores ``[out, in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .config import ModelConfig, config_to_dict, load_config
@@ -25,6 +27,9 @@ from .model import DeepseekModel
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# safetensors header dtypes that hold weights; integer (and FP8) tensors would be cast to
+# floats silently, so they are refused by name instead.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 class WeightsError(ValueError):
@@ -44,14 +49,37 @@ def _is_transposed(path: tuple) -> bool:
     return path[-1] == "kernel"
 
 
+@contextlib.contextmanager
+def _open(file: str) -> Iterator:
+    """``safe_open`` whose errors (a truncated or corrupt file, on opening or on reading a
+    tensor) name the file."""
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise WeightsError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def _weight_map(index_path: str) -> dict[str, str]:
+    """The index's tensor name -> shard file name."""
+    with open(index_path) as f:
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise WeightsError(f"{index_path} is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) for file in weight_map.values()
+    ):
+        raise WeightsError(f"{index_path} has no 'weight_map' object of tensor -> file names")
+    return weight_map
+
+
 def _checkpoint_files(model_dir: str) -> dict[str, str]:
     """Tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
     index_path = os.path.join(model_dir, _INDEX)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index_path} has no 'weight_map' object")
+        weight_map = _weight_map(index_path)
         files = {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not os.path.isfile(file):
@@ -60,7 +88,7 @@ def _checkpoint_files(model_dir: str) -> dict[str, str]:
     single = os.path.join(model_dir, _SINGLE)
     if not os.path.isfile(single):
         raise WeightsError(f"no {_SINGLE} or {_INDEX} in {model_dir}")
-    with safe_open(single, framework="numpy") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
@@ -101,24 +129,37 @@ def load_model(
     by_file = defaultdict(list)
     for name in params:
         by_file[files[name]].append(name)
+    shards = sorted(by_file.items())
+    # Headers first: a wrong dtype or shape in the last shard is refused before any data is read.
+    for file, names in shards:
+        with _open(file) as f:
+            for name in names:
+                _check_header(f.get_slice(name), name, *params[name])
     loaded = []
-    for i, (file, names) in enumerate(sorted(by_file.items())):
+    for i, (file, names) in enumerate(shards):
         if verbose:
-            print(f"loading {os.path.basename(file)} ({i + 1}/{len(by_file)})", file=sys.stderr)
-        with safe_open(file, framework="numpy") as f:
+            print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
+        with _open(file) as f:
             for name in names:
                 path, var = params[name]
                 array = f.get_tensor(name)
                 if _is_transposed(path):
                     array = array.T
-                if array.shape != var.shape:
-                    hf_shape = array.T.shape if _is_transposed(path) else array.shape
-                    want = var.shape[::-1] if _is_transposed(path) else var.shape
-                    raise WeightsError(
-                        f"tensor {name} has shape {hf_shape}, the config needs {tuple(want)}"
-                    )
                 loaded.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _check_header(header, name: str, path: tuple, var: nnx.Variable) -> None:
+    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout)."""
+    if header.get_dtype() not in _FLOAT_DTYPES:
+        raise WeightsError(
+            f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
+            f"({', '.join(_FLOAT_DTYPES)})"
+        )
+    shape = tuple(header.get_shape())
+    want = tuple(var.shape[::-1] if _is_transposed(path) else var.shape)
+    if shape != want:
+        raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
 
 
 def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:

@@ -8,71 +8,148 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 
 import jax.numpy as jnp
 
-from mla_jax.engine import Engine, EngineConfig, Request
+from mla_jax.cache import CacheFullError
+from mla_jax.config import ConfigError
+from mla_jax.engine import Engine, EngineConfig, Request, RequestError
+from mla_jax.metadata import MetadataError
+from mla_jax.model import MoENotSupportedError
 from mla_jax.tiny import tiny_checkpoint
-from mla_jax.weights import load_model
+from mla_jax.weights import WeightsError, load_model
+
+# What a user can get wrong beyond the flags (the checkpoint, the requests' sizes): the
+# command line prints these as one line, not a traceback.
+_USER_ERRORS = (
+    ConfigError,
+    WeightsError,
+    MoENotSupportedError,
+    RequestError,
+    CacheFullError,
+    MetadataError,
+)
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def _token_ids(text: str) -> list[int]:
+    """``--prompt-ids 3,14,15``: every item a non-negative integer, none empty."""
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        if not _DIGITS.fullmatch(item):
+            what = f"{item!r} is not a token id" if item else "an empty item"
+            raise argparse.ArgumentTypeError(
+                f"{what} in {text!r} (want comma-separated integers >= 0)"
+            )
+    return [int(item) for item in items]
+
+
+def _positive_int(text: str) -> int:
+    """A size or a count: an integer >= 1."""
+    if not _DIGITS.fullmatch(text.strip()) or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _temperature(text: str) -> float:
+    """0 (greedy) or more."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        value = float(text)
     except ValueError:
-        msg = f"--prompt-ids wants comma-separated integers: {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+        value = math.nan  # refused below, with the same message as nan itself
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"want a number >= 0, got {text!r}")
+    return value
 
 
-def _tokenizer(model_dir: str):
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        sys.exit(f"--prompt needs a tokenizer: {model_dir} has no tokenizer.json")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        sys.exit("--prompt needs the 'tokenizers' package (pip install tokenizers)")
-    return Tokenizer.from_file(path)
-
-
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF checkpoint folder, or 'tiny'")
     ap.add_argument("--prompt-ids", type=_token_ids, action="append", default=[])
     ap.add_argument("--prompt", action="append", default=[], help="text (needs tokenizer.json)")
-    ap.add_argument("--max-new-tokens", type=int, required=True)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=_positive_int, required=True)
+    ap.add_argument("--temperature", type=_temperature, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--num-blocks", type=int, help="cache blocks (default: all requests at once)")
-    ap.add_argument("--workspace-size", type=int, default=8192)
-    ap.add_argument("--impl", default="auto", help="kernels: auto, pallas or reference")
+    ap.add_argument("--block-size", type=_positive_int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    ap.add_argument(
+        "--num-blocks", type=_positive_int, help="cache blocks (default: all requests at once)"
+    )
+    ap.add_argument("--workspace-size", type=_positive_int, default=8192)
+    ap.add_argument("--impl", choices=["auto", "pallas", "reference"], default="auto")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
+    return ap
+
+
+def _check_output(ap: argparse.ArgumentParser, path: str) -> None:
+    """Refuses an --output that could not be written now, rather than after loading and
+    generating."""
+    if os.path.isdir(path):
+        ap.error(f"--output {path} is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        ap.error(f"--output {path}: {folder} is not an existing directory")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        ap.error(f"--output {path} is not writable")
+
+
+def _tokenizer(ap: argparse.ArgumentParser, model_dir: str):
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        ap.error(f"--prompt needs a tokenizer: {model_dir} has no tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        ap.error("--prompt needs the 'tokenizers' package (pip install tokenizers)")
+    return Tokenizer.from_file(path)
+
+
+def _engine_config(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, prompts: list[list[int]]
+) -> EngineConfig:
+    """The engine's settings from the flags; by default a cache that holds every request."""
+    if args.num_blocks is None:
+        per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
+        num_blocks = per_request * len(prompts)
+    else:
+        num_blocks = args.num_blocks
+    try:
+        return EngineConfig(
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            workspace_size=args.workspace_size,
+            impl=args.impl,
+        )
+    except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
+        ap.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parses ``argv`` and generates. Bad flags exit through argparse (status 2); a bad
+    checkpoint or request raises its own error (``cli`` prints it as one line)."""
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.output:
+        _check_output(ap, args.output)
+    if not args.prompt_ids and not args.prompt:
+        ap.error("give at least one --prompt-ids (or --prompt)")
 
     model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
-    tokenizer = _tokenizer(model_dir) if args.prompt else None
+    tokenizer = _tokenizer(ap, model_dir) if args.prompt else None
     prompts = list(args.prompt_ids)
     if tokenizer is not None:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
-    if not prompts:
-        ap.error("give at least one --prompt-ids (or --prompt)")
+    cfg = _engine_config(ap, args, prompts)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
     _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True)
-    per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
-    cfg = EngineConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks or per_request * len(prompts),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        workspace_size=args.workspace_size,
-        impl=args.impl,
-    )
     engine = Engine(model, cfg, seed=args.seed)
     requests = [
         Request(p, args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
@@ -95,5 +172,14 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def cli() -> None:
+    """The command line: ``main``, with a user error printed as one ``error: ...`` line on
+    stderr (exit status 1) instead of a traceback."""
+    try:
+        main()
+    except _USER_ERRORS as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
-    main()
+    cli()

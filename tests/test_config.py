@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -104,6 +105,14 @@ def test_missing_yarn_field_is_named():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+        ({"quantization_config": "fp8"}, "'quantization_config' must be an object"),
+        ({"quantization_config": ["fp8"]}, "'quantization_config' must be an object"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+        ({"max_position_embeddings": -4096}, "max_position_embeddings"),
+        ({"moe_layer_freq": 0}, "moe_layer_freq must be an integer >= 1, got 0"),
+        ({"first_k_dense_replace": -1}, "first_k_dense_replace must be an integer >= 0"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be an integer >= 0"),
+        ({"n_routed_experts": 0}, "n_routed_experts must be an integer >= 1"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
         ({"rope_scaling": dict(V3["rope_scaling"], factor=0.5)}, "factor"),
         ({"eos_token_id": "x"}, "eos_token_id"),
@@ -112,6 +121,17 @@ def test_missing_yarn_field_is_named():
 def test_bad_values_are_named(patch, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(dict(V3, **patch))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_position_embeddings", 0), ("moe_layer_freq", 0), ("first_k_dense_replace", -2)],
+)
+def test_model_config_checks_its_own_fields(field, value):
+    """Configs built in code (not from config.json) are checked too, so that is_moe_layer
+    never divides by zero."""
+    with pytest.raises(ConfigError, match=field):
+        dataclasses.replace(config_from_dict(V3), **{field: value})
 
 
 def test_roundtrip_and_load(tmp_path):

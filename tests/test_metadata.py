@@ -134,6 +134,10 @@ def test_explicit_token_buckets():
         ([0], [4], [[99]], r"block_table\[0, 0\] = 99"),
         ([0], [4], [[-1]], r"block_table\[0, 0\] = -1"),
         ([0, 0], [4, 4], [[2], [2]], "same cache slot"),
+        # a prefill's new tokens land in a full block of a decode's context
+        ([5, 0], [1, 4], [[0, 1], [0, 5]], r"request 1 .* block 0, which request 0 reads"),
+        # a decode's new token lands in another decode's partly filled last block
+        ([2, 0], [1, 1], [[3], [3]], r"request 1 .* block 3, which request 0 reads"),
         ([0, 0], [4], [[0], [1]], "must be equal"),
         ([0], [4], [0, 1], "block_table must be"),
         ([0.5], [4], [[0]], "integers"),
@@ -149,6 +153,61 @@ def test_malformed_input_is_rejected(ctx, qlen, table, match):
             num_blocks=8,
             workspace_size=64,
         )
+
+
+def test_shared_context_blocks_are_allowed():
+    """Requests may read the same context blocks (a shared prefix) while each writes its own."""
+    md = build_metadata(
+        np.array([4, 4]),
+        np.array([1, 3]),
+        np.array([[5, 6], [5, 7]]),
+        block_size=4,
+        num_blocks=8,
+        workspace_size=64,
+    )
+    assert list(md.slot_mapping[:1]) == [24] and list(md.slot_mapping[8:11]) == [28, 29, 30]
+
+
+def _overwrites_context(ctx, qlen, table, block_size):
+    """Written out entry by entry: does a table entry that receives new tokens name the block
+    of another entry that holds context?"""
+    written, read = [], []
+    for r in range(len(ctx)):
+        last = -(-(ctx[r] + qlen[r]) // block_size)
+        written += [(r, w) for w in range(ctx[r] // block_size, last)]
+        read += [(r, w) for w in range(-(-ctx[r] // block_size))]
+    return any(table[a] == table[b] and a != b for a in written for b in read)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_context_overwrites_match_a_brute_force_check(rng, block_size):
+    """Random tables drawn from few blocks, so that requests often share them."""
+    outcomes = set()
+    for _ in range(100):
+        num_reqs = int(rng.integers(2, 6))
+        nd = int(rng.integers(0, num_reqs + 1))
+        qlen = np.concatenate([np.ones(nd, int), rng.integers(2, 6, num_reqs - nd)])
+        ctx = rng.integers(0, 10, num_reqs)
+        width = int((-(-(ctx + qlen) // block_size)).max())
+        num_blocks = 2 * num_reqs * width
+        table = rng.integers(0, num_blocks, (num_reqs, width))
+        expected = _overwrites_context(ctx, qlen, table, block_size)
+        try:
+            build_metadata(
+                ctx,
+                qlen,
+                table,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                workspace_size=64 * block_size,
+            )
+            outcome = "ok"
+        except MetadataError as e:
+            outcome = "overwrite" if "reads as context" in str(e) else "same slot"
+            assert outcome == "overwrite" or "same cache slot" in str(e), e
+        assert (outcome == "overwrite") == expected, (ctx, qlen, table)
+        outcomes.add(outcome)
+    assert "overwrite" in outcomes and "ok" in outcomes
 
 
 def test_workspace_too_small_for_the_prefills_with_context():

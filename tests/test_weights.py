@@ -49,11 +49,10 @@ def _rewrite(path, edit):
     save_file(tensors, path / "model.safetensors")
 
 
-def test_sharded_equals_single_file(ckpt, tmp_path_factory):
-    _, single = load_model(ckpt)
+def _shard(ckpt, sharded):
+    """Rewrites the checkpoint ``ckpt`` as two shards and an index under ``sharded``."""
     tensors = load_file(ckpt / "model.safetensors")
     names = sorted(tensors)
-    sharded = tmp_path_factory.mktemp("sharded")
     weight_map = {}
     for i, part in enumerate((names[::2], names[1::2])):
         file = f"model-0000{i + 1}-of-00002.safetensors"
@@ -61,7 +60,16 @@ def test_sharded_equals_single_file(ckpt, tmp_path_factory):
         weight_map.update({n: file for n in part})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (sharded / "config.json").write_text((ckpt / "config.json").read_text())
-    _, model = load_model(sharded)
+    return sharded
+
+
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+def test_sharded_equals_single_file(ckpt, tmp_path_factory):
+    _, single = load_model(ckpt)
+    _, model = load_model(_shard(ckpt, tmp_path_factory.mktemp("sharded")))
     a, b = _params(single), _params(model)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
@@ -69,6 +77,45 @@ def test_sharded_equals_single_file(ckpt, tmp_path_factory):
 def test_bfloat16_load(ckpt):
     _, model = load_model(ckpt, dtype=jnp.bfloat16)
     assert {v.dtype for v in _params(model).values()} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_checkpoint_loads(tmp_path, dtype):
+    """DeepSeek publishes bfloat16 checkpoints; they load exactly, in any dtype."""
+    saved = DeepseekModel(CFG, param_dtype=dtype, rngs=nnx.Rngs(3))
+    save_checkpoint(saved, tmp_path)
+    _, model = load_model(tmp_path, dtype=jnp.float32)
+    a, b = _params(saved), _params(model)
+    assert all((a[k].astype(np.float32) == b[k]).all() for k in a)
+
+
+@pytest.mark.parametrize("dtype,code", [(np.int32, "I32"), (np.int8, "I8"), (np.uint8, "U8")])
+def test_integer_tensor_is_refused_by_name(ckpt, dtype, code):
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(ckpt, lambda t: t.update({name: t[name].astype(dtype)}))
+    with pytest.raises(WeightsError, match=rf"tensor {name} has dtype {code}; weights must be"):
+        load_model(ckpt)
+
+
+def test_truncated_checkpoint_is_named(ckpt, tmp_path_factory):
+    sharded = _shard(ckpt, tmp_path_factory.mktemp("sharded"))
+    _truncate(ckpt / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"model\.safetensors is not a readable safetensors"):
+        load_model(ckpt)
+    _truncate(sharded / "model-00002-of-00002.safetensors")
+    with pytest.raises(WeightsError, match=r"model-00002-of-00002\.safetensors is not a readable"):
+        load_model(sharded)
+
+
+def test_broken_index_is_named(ckpt, tmp_path_factory):
+    sharded = _shard(ckpt, tmp_path_factory.mktemp("sharded"))
+    index = sharded / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {')
+    with pytest.raises(WeightsError, match=r"index\.json is not valid JSON"):
+        load_model(sharded)
+    index.write_text("[]")
+    with pytest.raises(WeightsError, match=r"index\.json has no 'weight_map' object"):
+        load_model(sharded)
 
 
 def test_missing_tensor_is_named(ckpt):
