@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth_gbs, parse_args, save, sweep, time_us
+from benchlib import copy_bandwidth, parse_args, row, save, sweep, time_us
 from flax import nnx
 
 from kernels import PALLAS, KernelPlan, merge, prefill, reference
@@ -89,11 +89,14 @@ def causal_rows(rng):
             lens = np.asarray(lens)
             q, k, v = _qkv(jax.random.key(int(rng.integers(2**31))), int(lens.sum()), n)
             flops = 2 * float((lens * (lens + 1) // 2).sum()) * n * (DQK + DV)
-            us = time_us(_pallas(lens, n), [(q, k, v)]).us
+            timings = {"pallas": time_us(_pallas(lens, n), [(q, k, v)])}
             padded = _padded(lens, q, k, v)
-            cudnn_us = time_us(_dpa("cudnn"), [padded], reps=10).us
+            timings["cudnn_padded"] = time_us(_dpa("cudnn"), [padded], reps=10)
             scores = len(lens) * int(lens.max()) ** 2 * n * 4
-            xla_us = time_us(_dpa("xla"), [padded], reps=5).us if scores < 8 * 2**30 else None
+            if scores < 8 * 2**30:
+                timings["xla_padded"] = time_us(_dpa("xla"), [padded], reps=5)
+            us, cudnn_us = timings["pallas"].us, timings["cudnn_padded"].us
+            xla = timings.get("xla_padded")
             out, _ = _pallas(lens, n)(q, k, v)
             ref = _dpa("cudnn")(*padded)[..., :DV]
             want = jnp.concatenate([ref[i, :m] for i, m in enumerate(lens)])
@@ -101,19 +104,19 @@ def causal_rows(rng):
                 jnp.linalg.norm((out - want).astype(jnp.float32))
                 / jnp.linalg.norm(want.astype(jnp.float32))
             )
-            row = [
+            cells = [
                 label,
                 n,
                 round(us, 1),
                 round(flops / us / 1e6, 1),
                 round(cudnn_us, 1),
                 round(flops / cudnn_us / 1e6, 1),
-                "-" if xla_us is None else round(xla_us, 1),
+                "-" if xla is None else round(xla.us, 1),
                 f"{cudnn_us / us:.2f}x",
                 f"{err:.1e}",
             ]
-            print(row, flush=True)
-            rows.append(row)
+            print(cells, flush=True)
+            rows.append(row(cells, **timings))
     return rows
 
 
@@ -130,7 +133,7 @@ def context_rows(rng):
     lat = jax.random.normal(k3, (new, cfg.cache_width), jnp.bfloat16)
     table = rng.permutation(num_blocks)[None].astype(np.int32)
     graphdef, state = nnx.split(attn)
-    rows, mem = [], []
+    rows = []
     for workspace in (8192, 65536):
         md = build_metadata(
             np.array([ctx]),
@@ -150,15 +153,15 @@ def context_rows(rng):
                 PALLAS, q, lat[:, : cfg.kv_lora_rank], lat[:, cfg.kv_lora_rank :], cache, pmd
             )
 
-        us = time_us(run, [(state, q, lat, cache, pmd)], reps=10).us
+        timing = time_us(run, [(state, q, lat, cache, pmd)], reps=10)
         temp = run.lower(state, q, lat, cache, pmd).compile().memory_analysis().temp_size_in_bytes
         chunks = md.prefill.chunks.starts.shape[0]
-        rows.append([f"workspace {workspace}", chunks, round(us, 1), round(temp / 2**30, 2)])
-        print(rows[-1], flush=True)
-        mem.append(temp)
-    unchunked = rows[-1][2]
+        cells = [f"workspace {workspace}", chunks, round(timing.us, 1), round(temp / 2**30, 2)]
+        print(cells, flush=True)
+        rows.append(row(cells, pallas=timing))
+    unchunked = rows[-1]["cells"][2]
     for r in rows:
-        r.append(f"{r[2] / unchunked:.2f}x")
+        r["cells"].append(f"{r['cells'][2] / unchunked:.2f}x")
     return rows
 
 
@@ -172,12 +175,17 @@ def merge_row(copy):
         jax.random.normal(ks[3], (t, n), jnp.float32),
     )
     nbytes = 3 * t * n * d * 2 + 3 * t * n * 4
-    us = time_us(jax.jit(merge.merge_attn_states), [args]).us
-    xla_us = time_us(jax.jit(reference.merge_attn_states), [args]).us
-    gbs = nbytes / us / 1e3
-    return [
-        ["8192 x 128 x 128", round(us, 1), round(gbs), f"{100 * gbs / copy:.0f}%", round(xla_us, 1)]
+    pallas = time_us(jax.jit(merge.merge_attn_states), [args])
+    xla = time_us(jax.jit(reference.merge_attn_states), [args])
+    gbs = nbytes / pallas.us / 1e3
+    cells = [
+        "8192 x 128 x 128",
+        round(pallas.us, 1),
+        round(gbs),
+        f"{100 * gbs / copy.gbs:.0f}%",
+        round(xla.us, 1),
     ]
+    return [row(cells, pallas=pallas, xla_reference=xla)]
 
 
 # The variants behind the kernels.prefill defaults.
@@ -193,8 +201,9 @@ SWEEP = [
 def _sweep_trial(n, var):
     lens = np.array([4096])
     q, k, v = _qkv(jax.random.key(n), 4096, n)
-    us = time_us(_pallas(lens, n, var), [(q, k, v)], reps=10).us
-    return {"us": us, "TFLOP/s": 2 * 4096 * 4097 / 2 * n * (DQK + DV) / us / 1e6}
+    timing = time_us(_pallas(lens, n, var), [(q, k, v)], reps=10)
+    tflops = 2 * 4096 * 4097 / 2 * n * (DQK + DV) / timing.us / 1e6
+    return {"us": timing.us, "TFLOP/s": tflops, "timing": timing}
 
 
 def main():
@@ -206,7 +215,7 @@ def main():
         ]
         sweep("prefill", trials, args.out)
         return
-    copy, copy_method = copy_bandwidth_gbs()
+    copy = copy_bandwidth()
     save(
         "prefill_causal",
         "Causal prefill (Pallas ragged flash attention), bf16, q/k 192, v 128",
@@ -223,8 +232,11 @@ def main():
         ],
         causal_rows(rng),
         [
-            "cuDNN and XLA via jax.nn.dot_product_attention on a padded batch with per-sequence "
-            "lengths, v padded to 192; XLA is skipped ('-') where its score matrix exceeds 8 GiB.",
+            "cuDNN and XLA ran on a padded batch: jax.nn.dot_product_attention over the "
+            "sequences padded to the longest one, with per-sequence lengths, v padded to 192; "
+            "the Pallas kernel runs them packed. On the ragged rows cuDNN / ours compares "
+            "against cuDNN on that padded batch. XLA is skipped ('-') where its score matrix "
+            "exceeds 8 GiB.",
             "TFLOP/s over the useful FLOPs: 2 x causal pairs x N x (192 + 128).",
         ],
         out_dir=args.out,
@@ -250,10 +262,11 @@ def main():
         ["tokens x heads x dim", "us", "GB/s", "of copy BW", "XLA (reference) us"],
         merge_row(copy),
         [
-            f"Copy bandwidth measured in the same run: {copy:.0f} GB/s (read + write; "
-            f"{copy_method}).",
+            f"Copy bandwidth measured in the same run: {copy.gbs:.0f} GB/s (read + write; "
+            f"{copy.method}).",
             "Bytes: two outputs and two lses read, one output and lse written.",
         ],
+        extra={"copy_bandwidth": copy.record()},
         out_dir=args.out,
     )
 

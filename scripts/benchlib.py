@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import time
@@ -71,9 +72,67 @@ def _gpu_kernel_events(trace: dict) -> list[dict]:
 
 
 class Timing(NamedTuple):
+    """How one function was timed, kept whole in the JSON so that a reader can check the
+    median against the raw calls."""
+
     us: float  # median microseconds per call
     method: str  # "cupti": summed kernel durations; "wall": wall clock
     kernels: dict  # kernel name -> median microseconds per call (cupti only)
+    samples: list[float]  # microseconds of every timed call, in call order
+    warmup: int  # untimed rounds through the argument sets before the timed calls
+    rotation: int  # distinct argument sets the calls cycle through (L2 kept cold)
+
+    @classmethod
+    def of(cls, samples: list[float], method: str, *, warmup: int, rotation: int, kernels=None):
+        return cls(float(np.median(samples)), method, kernels or {}, samples, warmup, rotation)
+
+    def record(self) -> dict:
+        """The JSON form: method, repetitions, warm-up, rotation, raw and median times."""
+        return {
+            "method": self.method,
+            "reps": len(self.samples),
+            "warmup": self.warmup,
+            "rotation": self.rotation,
+            "median_us": round(self.us, 2),
+            "samples_us": [round(t, 2) for t in self.samples],
+            "kernels_us": {k: round(v, 2) for k, v in self.kernels.items()},
+        }
+
+
+def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] | None:
+    """Per-call summed kernel durations and the per-kernel medians from a profiler trace, or
+    None when the trace holds no kernel events."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        for i in range(reps):
+            with jax.profiler.TraceAnnotation(f"bench_call_{i}"):
+                jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+        jax.profiler.stop_trace()
+        [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("bench_call_")]
+    kernels = _gpu_kernel_events(trace)
+    per_call, per_kernel = [], {}
+    for c in calls:
+        mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
+        per_call.append(float(sum(k["dur"] for k in mine)))
+        for k in mine:
+            per_kernel.setdefault(k["name"], []).append(k["dur"])
+    if len(per_call) != reps or min(per_call) <= 0:
+        print(f"warning: no kernel events in the trace ({len(kernels)} found); timing wall clock")
+        return None
+    breakdown = {k: float(np.median(v)) * len(v) / reps for k, v in per_kernel.items()}
+    return per_call, breakdown
+
+
+def _wall_us(fn, arg_sets: list[tuple], reps: int) -> list[float]:
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
 
 
 def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Timing:
@@ -84,47 +143,36 @@ def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Ti
     for _ in range(warmup):
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
+    how = dict(warmup=warmup, rotation=len(arg_sets))
     if jax.default_backend() == "gpu":
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d, create_perfetto_trace=True)
-            for i in range(reps):
-                with jax.profiler.TraceAnnotation(f"bench_call_{i}"):
-                    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-            jax.profiler.stop_trace()
-            [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-            with gzip.open(path) as f:
-                trace = json.load(f)
-        calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("bench_call_")]
-        kernels = _gpu_kernel_events(trace)
-        per_call, per_kernel = [], {}
-        for c in calls:
-            mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
-            per_call.append(sum(k["dur"] for k in mine))
-            for k in mine:
-                per_kernel.setdefault(k["name"], []).append(k["dur"])
-        if len(per_call) == reps and min(per_call) > 0:
-            breakdown = {k: float(np.median(v)) * len(v) / reps for k, v in per_kernel.items()}
-            return Timing(float(np.median(per_call)), "cupti", breakdown)
-        print(f"warning: no kernel events in the trace ({len(kernels)} found); timing wall clock")
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-        times.append(time.perf_counter() - t0)
-    return Timing(float(np.median(times)) * 1e6, "wall", {})
+        cupti = _cupti_us(fn, arg_sets, reps)
+        if cupti is not None:
+            return Timing.of(cupti[0], "cupti", kernels=cupti[1], **how)
+    return Timing.of(_wall_us(fn, arg_sets, reps), "wall", **how)
 
 
-def copy_bandwidth_gbs(gib: float = 2.0) -> tuple[float, str]:
+class CopyBandwidth(NamedTuple):
+    gbs: float  # bytes read + written per second, in GB/s
+    method: str
+    timing: Timing  # of one copy
+
+    def record(self) -> dict:
+        return {"GB/s": round(self.gbs, 1), "method": self.method, "timing": self.timing.record()}
+
+
+def copy_bandwidth(gib: float = 2.0) -> CopyBandwidth:
     """The device's copy bandwidth (bytes read + written per second) and how it was taken:
     a device-to-device ``copy_`` timed with CUDA events when PyTorch is there (what the
     driver's copy engine path reaches), else a float32 elementwise pass through XLA."""
     n = int(gib * 2**30) // 4
+    nbytes = 2 * n * 4
     try:
         import torch
 
         x = torch.randn(n, device="cuda")
         y = torch.empty_like(x)
-        for _ in range(3):
+        warmup = 3
+        for _ in range(warmup):
             y.copy_(x)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
@@ -133,13 +181,14 @@ def copy_bandwidth_gbs(gib: float = 2.0) -> tuple[float, str]:
             y.copy_(x)
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
+            times.append(start.elapsed_time(end) * 1e3)
         del x, y
-        return 2 * n * 4 / float(np.median(times)) / 1e9, "torch copy_ with CUDA events"
+        t = Timing.of(times, "cuda_events", warmup=warmup, rotation=1)
+        return CopyBandwidth(nbytes / t.us / 1e3, "torch copy_ with CUDA events", t)
     except (ImportError, RuntimeError, AssertionError):
         xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
         t = time_us(jax.jit(lambda x: x + 1), [(x,) for x in xs], reps=10)
-        return 2 * n * 4 / (t.us * 1e-6) / 1e9, "XLA float32 elementwise pass"
+        return CopyBandwidth(nbytes / t.us / 1e3, "XLA float32 elementwise pass", t)
 
 
 def parse_args(doc: str):
@@ -158,12 +207,12 @@ def sweep(name: str, trials, out_dir: str | None) -> None:
     rows = []
     for info, variant, run in trials:
         try:
-            row = {**info, **run()}
+            result = {**info, **jsonable(run())}
         except Exception as e:  # noqa: BLE001 (a variant the compiler rejects)
-            row = {**info, "error": f"{type(e).__name__}: {e}"[:300]}
-        row["variant"] = variant
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            result = {**info, "error": f"{type(e).__name__}: {e}"[:300]}
+        result["variant"] = variant
+        rows.append(result)
+        print(json.dumps(result), flush=True)
     with open(os.path.join(out_dir or ".", f"{name}_sweep.json"), "w") as f:
         json.dump(
             {"device": machine(), "date": datetime.date.today().isoformat(), "rows": rows},
@@ -172,16 +221,41 @@ def sweep(name: str, trials, out_dir: str | None) -> None:
         )
 
 
+def jsonable(result: dict) -> dict:
+    """``result`` with its Timing values in their JSON form."""
+    return {k: v.record() if isinstance(v, Timing) else v for k, v in result.items()}
+
+
+def row(cells: list, **timings: Timing) -> dict:
+    """A result row: the table cells, and every timing behind them in full (method, raw
+    samples, per-kernel breakdown), keyed by what was timed (``pallas=``, ``cudnn=``, ...)."""
+    return {"cells": cells, "timings": {name: t.record() for name, t in timings.items()}}
+
+
+def _cells(result_row) -> list:
+    """The table cells of a row; rows written before timings were kept are bare lists."""
+    return result_row["cells"] if isinstance(result_row, dict) else result_row
+
+
+def _dumps(result: dict) -> str:
+    """Indented JSON with each list of numbers (the raw samples) on one line."""
+    text = json.dumps(result, indent=1)
+    return re.sub(
+        r"\[\s+([-+0-9.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text
+    )
+
+
 def save(
     name: str,
     title: str,
     columns: list[str],
-    rows: list[list],
+    rows: list[dict],
     notes: list[str],
     extra: dict | None = None,
     out_dir: str | None = None,
 ) -> str:
-    """Writes ``benchmarks/<name>.json`` (and a copy under ``out_dir``), re-renders the page."""
+    """Writes ``benchmarks/<name>.json`` (and a copy under ``out_dir``), re-renders the page.
+    ``rows`` are made by ``row``."""
     result = {
         "title": title,
         "device": machine(),
@@ -191,11 +265,10 @@ def save(
         "notes": notes,
         **(extra or {}),
     }
-    os.makedirs(RESULTS, exist_ok=True)
     for folder in {RESULTS, out_dir or RESULTS}:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"{name}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(_dumps(result) + "\n")
     render()
     return os.path.join(RESULTS, f"{name}.json")
 
@@ -204,6 +277,40 @@ def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+def _span(values: list) -> str:
+    """``"30"`` when all values agree, ``"10-30"`` (numbers) or ``"cupti/wall"`` otherwise."""
+    distinct = sorted(set(values))
+    if len(distinct) == 1:
+        return str(distinct[0])
+    if all(isinstance(v, int) for v in distinct):
+        return f"{distinct[0]}-{distinct[-1]}"
+    return "/".join(map(str, distinct))
+
+
+_HOW = ("method", "reps", "warmup", "rotation")
+
+
+def _timing_note(rows: list) -> list[str]:
+    """One note naming how each kind of time in the table was taken, from the timings the
+    rows keep (none for rows written before they kept them)."""
+    kept = [t for r in rows if isinstance(r, dict) for t in r["timings"].items()]
+    parts = []
+    for name in dict.fromkeys(name for name, _ in kept):
+        records = [t for n, t in kept if n == name]
+        field = {key: _span([t[key] for t in records]) for key in _HOW}
+        parts.append(
+            f"{name}: {field['method']}, median of {field['reps']} calls after "
+            f"{field['warmup']} warm-up rounds, cycling through {field['rotation']} argument "
+            "set(s)"
+        )
+    if not parts:
+        return []
+    return [
+        "Timing (the JSON keeps each row's raw samples, and per-kernel medians where CUPTI "
+        "timed it): " + "; ".join(parts) + "."
+    ]
 
 
 def render() -> None:
@@ -222,10 +329,10 @@ def render() -> None:
         )
         parts.append("| " + " | ".join(r["columns"]) + " |")
         parts.append("|" + "---|" * len(r["columns"]))
-        for row in r["rows"]:
-            parts.append("| " + " | ".join(_cell(v) for v in row) + " |")
+        for result_row in r["rows"]:
+            parts.append("| " + " | ".join(_cell(v) for v in _cells(result_row)) + " |")
         parts.append("")
-        parts.extend(f"- {n}" for n in r["notes"])
+        parts.extend(f"- {n}" for n in r["notes"] + _timing_note(r["rows"]))
         parts.append("")
     with open(PAGE, "w") as f:
         f.write("\n".join(parts))
