@@ -202,8 +202,7 @@ class MLAAttention(nnx.Module):
         chunks = metadata.chunks
         lkv = self.cfg.kv_lora_rank
 
-        def chunk(carry, plan):
-            cu_seq_lens, starts, total = plan
+        def attend(carry, cu_seq_lens, starts, total):
             workspace = _gather_workspace(
                 cache,
                 metadata.block_table,
@@ -223,7 +222,13 @@ class MLAAttention(nnx.Module):
                 causal=False,
                 schedule=metadata.schedule,
             )
-            return kernel_set.merge_attn_states(*carry, out, lse), None
+            return kernel_set.merge_attn_states(*carry, out, lse)
+
+        def chunk(carry, plan):
+            # The chunk count is fixed by the buckets: a chunk past the context is skipped.
+            total = plan[2]
+            carry = jax.lax.cond(total > 0, attend, lambda carry, *_: carry, carry, *plan)
+            return carry, None
 
         tq, n = q.shape[:2]
         init = (

@@ -1,10 +1,15 @@
-"""A small generation engine: continuous batching, chunked prefill, one jit per bucket.
+"""A small generation engine: continuous batching, chunked prefill, a fixed set of programs.
 
 Each step the scheduler takes every running decode (one token each) and then fills the rest
-of the token budget with prompt chunks, so long prompts span steps and come back with cached
-context. A request reserves the cache blocks for its whole length when admitted, so a
-running request never runs out; a request waits while too few blocks are free, and one that
-could never fit is refused.
+of the token budget with up to ``prefill_slots`` prompt chunks, so long prompts span
+steps and come back with cached context. A request reserves the cache blocks for its whole
+length when admitted, so a running request never runs out; a request waits while too few
+blocks are free, and one that could never fit is refused.
+
+Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
+decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
+context chunks), so a workload compiles only from that set, which ``precompile()`` compiles
+ahead of time and JAX's persistent cache (``mla_jax.compilation``) keeps across processes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flax import nnx
 import kernels
 
 from .cache import BlockAllocator, CacheFullError, init_cache
+from .compilation import cache_hits
 from .config import ModelConfig
 from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
 from .model import DeepseekModel
@@ -39,20 +45,60 @@ class EngineConfig:
     num_blocks: int = 1024
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 64
+    max_num_prefills: int | None = None  # prompt chunks per step (default: up to 4)
+    max_model_len: int | None = None  # longest sequence admitted (default: the model's)
     workspace_size: int = 8192  # cached-context rows gathered per chunk
     cache_dtype: str | None = None  # default: the model's dtype
-    buckets: Buckets = Buckets()
+    buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
     impl: str = "auto"  # kernels.select
 
     def __post_init__(self):
-        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "num_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
             raise ValueError(
                 f"workspace_size ({self.workspace_size}) must hold at least one block "
                 f"({self.block_size})"
             )
+        if self.max_num_prefills is not None and not (
+            0 < self.max_num_prefills <= self.workspace_size // self.block_size
+        ):
+            raise ValueError(
+                f"max_num_prefills ({self.max_num_prefills}) must be positive and the "
+                f"workspace ({self.workspace_size}) must hold a block ({self.block_size}) "
+                "for each"
+            )
+
+    @property
+    def prefill_slots(self) -> int:
+        """Prompt chunks per step: ``max_num_prefills``, by default as many as the workspace
+        holds a block for, up to 4."""
+        return self.max_num_prefills or min(4, self.workspace_size // self.block_size)
+
+    def fixed_buckets(self, max_model_len: int) -> Buckets:
+        """The only shapes the engine runs: decode batches on a x4 ladder from 16 up to
+        ``max_num_seqs``, prefill tokens a quarter of the budget or all of it,
+        ``prefill_slots`` prefill slots, block tables as wide as ``max_model_len`` needs,
+        and as many context chunks as such a context can take (the empty ones are skipped)."""
+        decodes = [size for size in (16, 64, 256, 1024) if size < self.max_num_seqs]
+        budget = self.max_num_batched_tokens
+        tokens = sorted({budget} | ({budget // 4} if budget // 4 >= 16 else set()))
+        share = self.workspace_size // self.prefill_slots // self.block_size * self.block_size
+        return Buckets(
+            decode_buckets=(*decodes, self.max_num_seqs),
+            token_buckets=tuple(tokens),
+            num_prefills=self.prefill_slots,
+            table_width=-(-max_model_len // self.block_size),
+            num_chunks=max(1, -(-(max_model_len - 1) // share)),
+        )
 
 
 @dataclasses.dataclass
@@ -81,7 +127,9 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     elapsed_s: float = 0.0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # compiling, or loading from the compilation cache
+    programs_from_cache: int = 0  # of the buckets, those loaded from the compilation cache
+    first_token_s: float | None = None  # from generate()'s start to its first sampled token
     buckets: list[StepShape] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -92,7 +140,10 @@ class Stats:
             "generated_tokens": self.generated_tokens,
             "elapsed_s": round(self.elapsed_s, 4),
             "compile_s": round(self.compile_s, 4),
+            "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
+            "programs": len(self.buckets),
+            "programs_from_cache": self.programs_from_cache,
             "buckets": [s._asdict() for s in self.buckets],
         }
 
@@ -127,6 +178,13 @@ class Engine:
             dtype,
         )
         self.allocator = BlockAllocator(cfg.num_blocks)
+        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        if self.max_model_len > self.model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
+            )
+        self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
         self.kernel_plan = (
             kernels.KernelPlan.for_device(self.model_cfg.mla.num_heads)
             if kernels.select(cfg.impl) is kernels.PALLAS
@@ -147,7 +205,7 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
 
     def _check(self, req: Request) -> None:
-        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_position_embeddings
+        vocab, max_len = self.model_cfg.vocab_size, self.max_model_len
         if not req.prompt_ids:
             raise RequestError("a prompt needs at least one token")
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
@@ -163,7 +221,8 @@ class Engine:
         if total > max_len:
             raise RequestError(
                 f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
-                f"{total} exceeds max_position_embeddings {max_len}"
+                f"{total} exceeds max_model_len {max_len}"
+                + ("" if self.cfg.max_model_len else " (the model's max_position_embeddings)")
             )
         if self._blocks_for(req) > self.cfg.num_blocks:
             raise CacheFullError(
@@ -183,29 +242,40 @@ class Engine:
     # -- scheduling ----------------------------------------------------------------------
 
     def _schedule(self, running: list[Request], waiting: deque[Request]):
-        """``[(request, new_tokens)]`` for one step: decodes (and 1-token prompt chunks)
-        first, then prompt chunks, within the token budget."""
+        """``[(request, new_tokens)]`` for one step: every decode first, then up to
+        ``prefill_slots`` prompt chunks (running prompts before new ones), within the
+        token budget."""
         budget = self.cfg.max_num_batched_tokens
         batch = []
         for req in running:
+            if budget and req.num_tokens - req.num_computed == 1:
+                batch.append((req, 1))
+                budget -= 1
+        chunks = 0
+
+        def add_chunk(req: Request) -> None:
+            nonlocal budget, chunks
             n = min(req.num_tokens - req.num_computed, budget)
-            if n:
-                batch.append((req, n))
-                budget -= n
-        while waiting and budget and len(running) < self.cfg.max_num_seqs:
+            batch.append((req, n))
+            budget -= n
+            chunks += n > 1
+
+        slots = self.cfg.prefill_slots
+        for req in running:
+            if budget and chunks < slots and req.num_tokens - req.num_computed > 1:
+                add_chunk(req)
+        while waiting and budget and chunks < slots and len(running) < self.cfg.max_num_seqs:
             req = waiting[0]
             if self._blocks_for(req) > self.allocator.num_free:
                 break
             waiting.popleft()
             req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)), np.int32)
             running.append(req)
-            n = min(len(req.prompt_ids), budget)
-            batch.append((req, n))
-            budget -= n
-        batch.sort(key=lambda rn: rn[1] > 1)  # stable: decodes first
+            add_chunk(req)
+        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
         return batch
 
-    def _metadata(self, batch) -> tuple[np.ndarray, AttentionMetadata]:
+    def _metadata(self, batch, buckets: Buckets) -> tuple[np.ndarray, AttentionMetadata]:
         width = max(len(req.block_ids) for req, _ in batch)
         block_table = np.zeros((len(batch), width), np.int32)
         context_lens = np.empty(len(batch), np.int32)
@@ -223,53 +293,74 @@ class Engine:
             block_size=self.cfg.block_size,
             num_blocks=self.cfg.num_blocks,
             workspace_size=self.cfg.workspace_size,
-            buckets=self.cfg.buckets,
+            buckets=buckets,
             kernel_plan=self.kernel_plan,
         )
         input_ids = np.zeros(md.positions.shape[0], np.int32)
         input_ids[md.token_rows()] = ids
         return input_ids, md
 
-    def step(self, batch) -> tuple[np.ndarray, StepShape]:
+    def step(self, batch, buckets: Buckets | None = None) -> tuple[np.ndarray, StepShape]:
         """Runs one scheduled batch; returns the sampled token of each request and the
-        bucket it ran in."""
-        input_ids, md = self._metadata(batch)
+        bucket it ran in (``buckets``: other than the engine's, for ``precompile``)."""
+        input_ids, md = self._metadata(batch, buckets or self.buckets)
         shape = md.step_shape()
         rows = md.request_rows()
         temperatures = np.zeros(md.logits_indices.shape[0], np.float32)
         temperatures[rows] = [req.temperature for req, _ in batch]
         self.key, key = jax.random.split(self.key)
         args = jax.device_put((input_ids, md, temperatures))
-        t0 = time.perf_counter()
+        t0, hits = time.perf_counter(), cache_hits()
         tokens, self.caches = self._step_fn(self.graphdef, self.state, self.caches, *args, key)
         tokens = np.asarray(tokens)
         if shape not in self.stats.buckets:
             dt = time.perf_counter() - t0
             self.stats.buckets.append(shape)
             self.stats.compile_s += dt
-            self.log(f"compiled bucket {shape} in {dt:.2f}s")
+            if cache_hits() > hits:
+                self.stats.programs_from_cache += 1
+                self.log(f"loaded bucket {shape} from the compilation cache in {dt:.2f}s")
+            else:
+                self.log(f"compiled bucket {shape} in {dt:.2f}s")
         return tokens[rows], shape
 
-    def precompile(self, steps: list[list[tuple[int, int]]]) -> list[StepShape]:
-        """Compiles the programs of the given steps ahead of serving. A step is a list of
-        ``(context_len, query_len)`` pairs, decodes (query_len 1) first, e.g.
-        ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on dummy tokens in freshly
-        allocated blocks, which go back to the allocator: call it while no request runs.
-        Returns the buckets the steps compile to (``stats.buckets`` lists all so far)."""
+    def step_shapes(self) -> list[StepShape]:
+        """Every program this engine can run (its buckets fix every axis)."""
+        return self.buckets.step_shapes(self.cfg.workspace_size)
+
+    def precompile(self, steps: list[list[tuple[int, int]]] | None = None) -> list[StepShape]:
+        """Compiles programs ahead of serving: by default all of ``step_shapes()``, else
+        those of the given steps, each a list of ``(context_len, query_len)`` pairs, decodes
+        (query_len 1) first, e.g. ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on
+        dummy tokens in freshly allocated blocks, which go back to the allocator: call it
+        while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
+        so far)."""
+        if steps is not None:
+            return [self._dummy_step(pairs, self.buckets) for pairs in steps]
         shapes = []
-        for pairs in steps:
-            batch = []
-            try:
-                for context_len, query_len in pairs:
-                    req = Request([0] * (context_len + query_len), max_new_tokens=1)
-                    req.num_computed = context_len
-                    req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)))
-                    batch.append((req, query_len))
-                shapes.append(self.step(batch)[1])
-            finally:
-                for req, _ in batch:
-                    self.allocator.free(req.block_ids.tolist())
+        for shape in self.step_shapes():
+            # One decode and one 2-token prompt, padded to this shape's sizes.
+            pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
+            buckets = dataclasses.replace(
+                self.buckets,
+                decode_buckets=(shape.decodes or 1,),
+                token_buckets=(shape.tokens - shape.decodes or 1,),
+            )
+            shapes.append(self._dummy_step(pairs, buckets))
         return shapes
+
+    def _dummy_step(self, pairs: list[tuple[int, int]], buckets: Buckets) -> StepShape:
+        batch = []
+        try:
+            for context_len, query_len in pairs:
+                req = Request([0] * (context_len + query_len), max_new_tokens=1)
+                req.num_computed = context_len
+                req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)))
+                batch.append((req, query_len))
+            return self.step(batch, buckets)[1]
+        finally:
+            for req, _ in batch:
+                self.allocator.free(req.block_ids.tolist())
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""
@@ -296,6 +387,8 @@ class Engine:
                     continue  # a prompt chunk: its logits are not a sample
                 req.output_ids.append(int(tok))
                 self.stats.generated_tokens += 1
+                if self.stats.first_token_s is None:
+                    self.stats.first_token_s = time.perf_counter() - t_start
                 if self._finished(req):
                     running.remove(req)
                     self.allocator.free(req.block_ids.tolist())
@@ -311,6 +404,6 @@ class Engine:
         return (
             f"step {s['steps']}: {running} running, {waiting} waiting | "
             f"{s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens, "
-            f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling "
+            f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling or loading "
             f"{len(self.stats.buckets)} buckets)"
         )

@@ -35,42 +35,92 @@ class MetadataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """How each padded size is chosen: the smallest power of two >= max(n, minimum), or the
-    smallest entry of an explicit list that fits (``token_buckets`` for prefill tokens)."""
+    """How each padded size of a step is chosen. An axis with a ladder takes its smallest
+    entry that fits, an axis fixed to a size always takes it, and any other axis takes the
+    smallest power of two >= max(n, its minimum). The engine fixes every axis (see
+    ``EngineConfig.buckets``), so that the programs it can run are a small set known before
+    the first request; the defaults suit one-off calls."""
 
     min_decodes: int = 8
     min_prefill_tokens: int = 16
     min_prefills: int = 1
     min_blocks: int = 4
     min_chunk_tokens: int = 256
-    token_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None  # prefill-token ladder
+    decode_buckets: tuple[int, ...] | None = None  # decode batch ladder
+    num_prefills: int | None = None  # prefill slots of every step with prefills
+    table_width: int | None = None  # blocks per block-table row
+    num_chunks: int | None = None  # context chunks of every step with prefills
 
     def decodes(self, n: int) -> int:
-        return 0 if n == 0 else _pow2_at_least(n, self.min_decodes)
+        if n == 0:
+            return 0
+        if self.decode_buckets is None:
+            return _pow2_at_least(n, self.min_decodes)
+        return _smallest_fit(n, self.decode_buckets, "decodes")
 
     def prefill_tokens(self, n: int) -> int:
         if n == 0:
             return 0
         if self.token_buckets is None:
             return _pow2_at_least(n, self.min_prefill_tokens)
-        for b in sorted(self.token_buckets):
-            if b >= n:
-                return b
-        raise MetadataError(
-            f"{n} prefill tokens exceed the largest bucket {max(self.token_buckets)}"
-        )
+        return _smallest_fit(n, self.token_buckets, "prefill tokens")
 
     def prefills(self, n: int) -> int:
-        return 0 if n == 0 else _pow2_at_least(n, self.min_prefills)
+        if n == 0:
+            return 0
+        if self.num_prefills is None:
+            return _pow2_at_least(n, self.min_prefills)
+        return _smallest_fit(n, (self.num_prefills,), "prefill requests")
 
     def blocks(self, n: int) -> int:
-        return _pow2_at_least(n, self.min_blocks)
+        if self.table_width is None:
+            return _pow2_at_least(n, self.min_blocks)
+        return _smallest_fit(n, (self.table_width,), "blocks of a request")
 
     def chunks(self, n: int) -> int:
-        return 0 if n == 0 else _pow2_at_least(n, 1)
+        if self.num_chunks is None:
+            return 0 if n == 0 else _pow2_at_least(n, 1)
+        return _smallest_fit(n, (self.num_chunks,), "context chunks")
 
     def chunk_tokens(self, n: int, workspace_size: int) -> int:
+        if self.num_chunks is not None:
+            return workspace_size
         return min(_pow2_at_least(n, self.min_chunk_tokens), workspace_size)
+
+    def step_shapes(self, workspace_size: int) -> list[StepShape]:
+        """Every shape a step can take, when every axis is fixed or on a ladder: each decode
+        size (or none) with each prefill-token size (or none)."""
+        fixed = (
+            self.decode_buckets,
+            self.token_buckets,
+            self.num_prefills,
+            self.table_width,
+            self.num_chunks,
+        )
+        if None in fixed:
+            raise ValueError("these buckets leave an axis open: their shapes are not a fixed set")
+        return [
+            StepShape(
+                tokens=decodes + tokens,
+                decodes=decodes,
+                decode_blocks=self.table_width if decodes else 0,
+                prefills=self.num_prefills if tokens else 0,
+                prefill_blocks=self.table_width if tokens else 0,
+                chunks=self.num_chunks if tokens else 0,
+                chunk_tokens=workspace_size if tokens else 0,
+            )
+            for decodes in (0, *sorted(self.decode_buckets))
+            for tokens in (0, *sorted(self.token_buckets))
+            if decodes or tokens
+        ]
+
+
+def _smallest_fit(n: int, sizes: tuple[int, ...], what: str) -> int:
+    for size in sorted(sizes):
+        if size >= n:
+            return size
+    raise MetadataError(f"{n} {what} exceed the largest bucket {max(sizes)}")
 
 
 def _pow2_at_least(n: int, minimum: int) -> int:
@@ -269,11 +319,13 @@ def _plan_chunks(
     context_lens: np.ndarray, block_size: int, workspace_size: int, buckets: Buckets
 ) -> ChunkedContext | None:
     """vLLM's rule: the workspace is shared equally among the prefills that have context,
-    each share rounded down to whole blocks; chunk c covers ``[c * share, (c + 1) * share)``."""
+    each share rounded down to whole blocks; chunk c covers ``[c * share, (c + 1) * share)``.
+    Chunks past the last needed one are empty (the module skips them); with no context at
+    all there are none, unless the buckets fix their number."""
     n_ctx = int(np.count_nonzero(context_lens))
-    if n_ctx == 0:
+    if n_ctx == 0 and buckets.num_chunks is None:
         return None
-    share = workspace_size // n_ctx // block_size * block_size
+    share = workspace_size // max(n_ctx, 1) // block_size * block_size
     if share == 0:
         raise MetadataError(
             f"workspace_size {workspace_size} is too small for {n_ctx} prefills with cached "

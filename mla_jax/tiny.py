@@ -10,6 +10,7 @@ import tempfile
 
 from flax import nnx
 
+from .compilation import cache_root
 from .config import MLAConfig, ModelConfig, RopeConfig, config_to_dict
 from .model import DeepseekModel
 from .weights import save_checkpoint
@@ -41,10 +42,7 @@ TINY = ModelConfig(
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("MLA_JAX_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mla_jax"
-    )
-    return os.path.join(root, "tiny-deepseek-v3")
+    return os.path.join(cache_root(), "tiny-deepseek-v3")
 
 
 def tiny_checkpoint(path: str | None = None, seed: int = 0) -> str:

@@ -15,8 +15,9 @@ import sys
 
 import jax.numpy as jnp
 
+from mla_jax import compilation
 from mla_jax.cache import CacheFullError
-from mla_jax.config import ConfigError
+from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.metadata import MetadataError
 from mla_jax.model import MoENotSupportedError
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="HF checkpoint folder, or 'tiny'")
     ap.add_argument("--prompt-ids", type=_token_ids, action="append", default=[])
     ap.add_argument("--prompt", action="append", default=[], help="text (needs tokenizer.json)")
-    ap.add_argument("--max-new-tokens", type=_positive_int, required=True)
+    ap.add_argument("--max-new-tokens", type=_positive_int)
     ap.add_argument("--temperature", type=_temperature, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -81,6 +82,19 @@ def _parser() -> argparse.ArgumentParser:
         "--num-blocks", type=_positive_int, help="cache blocks (default: all requests at once)"
     )
     ap.add_argument("--workspace-size", type=_positive_int, default=8192)
+    ap.add_argument("--max-num-seqs", type=_positive_int, default=64, help="running requests")
+    ap.add_argument(
+        "--max-model-len", type=_positive_int, help="longest sequence (default: the model's)"
+    )
+    ap.add_argument(
+        "--list-buckets", action="store_true", help="print the programs the engine can run"
+    )
+    ap.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help=f"compiled programs on disk (default: {compilation.default_cache_dir()})",
+    )
+    ap.add_argument("--no-compilation-cache", action="store_true", help="compile every run")
     ap.add_argument("--impl", choices=["auto", "pallas", "reference"], default="auto")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
@@ -114,16 +128,18 @@ def _engine_config(
     ap: argparse.ArgumentParser, args: argparse.Namespace, prompts: list[list[int]]
 ) -> EngineConfig:
     """The engine's settings from the flags; by default a cache that holds every request."""
-    if args.num_blocks is None:
+    if args.num_blocks is None and prompts:
         per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
         num_blocks = per_request * len(prompts)
     else:
-        num_blocks = args.num_blocks
+        num_blocks = args.num_blocks or 1
     try:
         return EngineConfig(
             block_size=args.block_size,
             num_blocks=num_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
             workspace_size=args.workspace_size,
             impl=args.impl,
         )
@@ -138,8 +154,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.output:
         _check_output(ap, args.output)
+    if args.list_buckets:
+        return _list_buckets(ap, args)
     if not args.prompt_ids and not args.prompt:
         ap.error("give at least one --prompt-ids (or --prompt)")
+    if args.max_new_tokens is None:
+        ap.error("the following arguments are required: --max-new-tokens")
 
     model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
     tokenizer = _tokenizer(ap, model_dir) if args.prompt else None
@@ -147,6 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer is not None:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
     cfg = _engine_config(ap, args, prompts)
+    if not args.no_compilation_cache:
+        path = compilation.enable_cache(args.compilation_cache)
+        print(f"compilation cache: {path}", file=sys.stderr)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
     _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True)
@@ -165,11 +188,36 @@ def main(argv: list[str] | None = None) -> dict:
         outputs.append(out)
         print(" ".join(map(str, req.prompt_ids)), "->", " ".join(map(str, req.output_ids)))
     result = {"outputs": outputs, "stats": engine.stats.as_dict()}
+    print(_summary(result["stats"]), file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.output}", file=sys.stderr)
     return result
+
+
+def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Prints every program the engine would run for this model and these flags."""
+    model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
+    max_model_len = args.max_model_len or load_config(model_dir).max_position_embeddings
+    cfg = _engine_config(ap, args, [])
+    shapes = cfg.fixed_buckets(max_model_len).step_shapes(cfg.workspace_size)
+    print(f"{len(shapes)} programs (max_model_len {max_model_len}):")
+    for shape in shapes:
+        print(" ", shape)
+    return {"buckets": [shape._asdict() for shape in shapes]}
+
+
+def _summary(stats: dict) -> str:
+    """The run's step statistics in one line."""
+    first = stats["first_token_s"]
+    return (
+        f"{stats['steps']} steps, {stats['prompt_tokens']} prompt + "
+        f"{stats['generated_tokens']} generated tokens, {stats['tokens_per_s']} tok/s after "
+        f"{stats['compile_s']} s on {stats['programs']} programs "
+        f"({stats['programs_from_cache']} from the compilation cache); first token after "
+        f"{first} s"
+    )
 
 
 def cli() -> None:

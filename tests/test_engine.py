@@ -6,11 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from collections import deque
 
+import numpy as np
 import pytest
+from flax import nnx
 
 from mla_jax.cache import CacheFullError
+from mla_jax.config import MLAConfig, ModelConfig
 from mla_jax.engine import Engine, EngineConfig, Request
+from mla_jax.model import DeepseekModel
 from mla_jax.tiny import tiny_checkpoint
 from mla_jax.weights import load_model
 
@@ -110,6 +115,12 @@ def test_generate_script(tmp_path):
     assert all(len(o["generated_ids"]) == 4 for o in result["outputs"])
     assert result["stats"]["generated_tokens"] == 8 and result["stats"]["buckets"]
     assert "compiled bucket" in proc.stderr and "tok/s" in proc.stderr
+    # A second run finds every program in the persistent compilation cache.
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["programs"] == stats["programs_from_cache"] == len(result["stats"]["buckets"])
+    assert "compiled bucket" not in again.stderr and "from the compilation cache" in again.stderr
     bad = subprocess.run(
         cmd[:4] + ["--prompt-ids", "1,x", "--max-new-tokens", "2"],
         env=env,
@@ -169,3 +180,61 @@ def test_generate_script_with_text_prompt(tmp_path):
     assert result["generated_text"].split() == [
         f"w{t}" if t else "[UNK]" for t in result["generated_ids"]
     ]
+
+
+def test_precompile_compiles_every_program(tiny, rng):
+    """precompile() with no argument compiles the engine's whole set; serving adds none."""
+    cfg = EngineConfig(
+        num_blocks=64,
+        max_num_seqs=20,
+        max_num_batched_tokens=64,
+        workspace_size=128,
+        impl="reference",
+    )
+    engine = Engine(tiny, cfg, log=lambda _: None)
+    shapes = engine.precompile()
+    assert shapes == engine.step_shapes() == engine.stats.buckets and len(shapes) == 8
+    assert engine.allocator.num_free == 64
+    prompts = [rng.integers(0, 512, n).tolist() for n in (1, 40, 7, 90, 3, 200)]
+    engine.generate([Request(p, 5) for p in prompts])
+    assert engine.stats.buckets == shapes
+
+
+def test_ragged_workload_compiles_at_most_8_programs(rng):
+    """64 requests arriving together, prompts of 100-4000 tokens, 1-256 new tokens: every
+    step falls in the engine's fixed set, which has 8 programs."""
+    cfg = ModelConfig(
+        model_type="deepseek_v3",
+        vocab_size=64,
+        num_layers=1,
+        intermediate_size=32,
+        mla=MLAConfig(
+            hidden_size=32,
+            num_heads=2,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
+        max_position_embeddings=4352,
+    )
+    model = DeepseekModel(cfg, rngs=nnx.Rngs(0))
+    prompts = [rng.integers(0, 64, n).tolist() for n in rng.integers(100, 4001, 64)]
+    new_tokens = rng.integers(1, 257, 64)
+    engine = Engine(model, EngineConfig(num_blocks=64 * 272, impl="reference"), log=lambda _: None)
+    engine.generate([Request(p, int(n)) for p, n in zip(prompts, new_tokens, strict=True)])
+    assert len(engine.stats.buckets) <= 8
+    assert set(engine.stats.buckets) <= set(engine.step_shapes())
+    assert engine._step_fn._cache_size() == len(engine.stats.buckets)
+
+
+def test_decodes_run_before_prompt_chunks(tiny):
+    """A running prompt chunk earlier in the list does not take the budget from a decode."""
+    engine = Engine(tiny, EngineConfig(num_blocks=16, max_num_batched_tokens=8, impl="reference"))
+    prompt, decode = Request(list(range(1, 30)), 2), Request([1, 2, 3], 2)
+    decode.output_ids, decode.num_computed = [5], 3
+    for req in (prompt, decode):
+        req.block_ids = np.asarray(engine.allocator.allocate(2))
+    batch = engine._schedule([prompt, decode], deque())
+    assert batch == [(decode, 1), (prompt, 7)]

@@ -130,7 +130,9 @@ def test_greedy_tokens_match(checkpoint, rng, budget, impl):
     vs transformers' greedy generate; on a GPU the Pallas kernels run compiled."""
     hf, path = checkpoint
     prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]
+    # No persistent compilation cache: it is process-wide, and other tests count compilations.
     argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "6"]
+    argv += ["--no-compilation-cache"]
     argv += ["--block-size", "4", "--workspace-size", "8", "--impl", impl]
     argv += ["--max-num-batched-tokens", str(budget)]
     for prompt in prompts:

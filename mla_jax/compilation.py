@@ -1,0 +1,51 @@
+"""JAX's persistent compilation cache for the engine's programs, and a count of its hits.
+
+With the cache on, a program compiled once (same model, settings, jax and device) is loaded
+from disk by every later process instead of being compiled again.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = 0
+
+
+def _count_hit(event: str, **_) -> None:
+    global _hits
+    if event == _CACHE_HIT:
+        _hits += 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
+
+
+def cache_root() -> str:
+    """The project's cache folder: ``$MLA_JAX_CACHE``, else ``~/.cache/mla_jax``."""
+    return os.environ.get("MLA_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "mla_jax"
+    )
+
+
+def default_cache_dir() -> str:
+    return os.path.join(cache_root(), "xla")
+
+
+def enable_cache(path: str | None = None) -> str:
+    """Stores every compiled program under ``path`` (default: ``default_cache_dir()``),
+    however quick its compilation was, and loads it from there in later processes. Returns
+    the folder. JAX's setting is process-wide."""
+    path = path or default_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+def cache_hits() -> int:
+    """Programs loaded from the persistent cache so far in this process."""
+    return _hits
