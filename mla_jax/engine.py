@@ -2,9 +2,10 @@
 
 Each step the scheduler takes every running decode (one token each) and then fills the rest
 of the token budget with up to ``prefill_slots`` prompt chunks, so long prompts span
-steps and come back with cached context. A request reserves the cache blocks for its whole
-length when admitted, so a running request never runs out; a request waits while too few
-blocks are free, and one that could never fit is refused.
+steps and come back with cached context. Cache blocks are allocated as tokens arrive; when
+a decode finds none free, the newest running request is preempted (its blocks freed) and
+later recomputed from its prompt and the tokens it had generated, as vLLM does. A request
+waits while its next chunk finds no free block, and one that could never fit is refused.
 
 Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
 decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
@@ -101,15 +102,16 @@ class EngineConfig:
         )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields hold
 class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     temperature: float = 0.0
     ignore_eos: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    block_ids: np.ndarray | None = None
+    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed: int = 0  # tokens already in the cache
+    num_preemptions: int = 0  # times its blocks were taken and its tokens recomputed
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +132,7 @@ class Stats:
     compile_s: float = 0.0  # compiling, or loading from the compilation cache
     programs_from_cache: int = 0  # of the buckets, those loaded from the compilation cache
     first_token_s: float | None = None  # from generate()'s start to its first sampled token
+    preemptions: int = 0  # requests whose blocks were taken, to be recomputed
     buckets: list[StepShape] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -144,6 +147,7 @@ class Stats:
             "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
             "programs": len(self.buckets),
             "programs_from_cache": self.programs_from_cache,
+            "preemptions": self.preemptions,
             "buckets": [s._asdict() for s in self.buckets],
         }
 
@@ -233,6 +237,21 @@ class Engine:
     def _blocks_for(self, req: Request) -> int:
         return -(-(len(req.prompt_ids) + req.max_new_tokens) // self.cfg.block_size)
 
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
+        when too few are free."""
+        need = -(-num_tokens // self.cfg.block_size) - len(req.block_ids)
+        if need > self.allocator.num_free:
+            return False
+        if need > 0:
+            new = np.asarray(self.allocator.allocate(need), np.int32)
+            req.block_ids = np.concatenate([req.block_ids, new])
+        return True
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_ids.tolist())
+        req.block_ids = np.zeros(0, np.int32)
+
     def _finished(self, req: Request) -> bool:
         if len(req.output_ids) >= req.max_new_tokens:
             return True
@@ -244,34 +263,64 @@ class Engine:
     def _schedule(self, running: list[Request], waiting: deque[Request]):
         """``[(request, new_tokens)]`` for one step: every decode first, then up to
         ``prefill_slots`` prompt chunks (running prompts before new ones), within the
-        token budget."""
+        token budget. A running request that finds no free block preempts the newest one
+        (itself, if it is the newest) back to the front of ``waiting``; a new request only
+        takes blocks that are free."""
         budget = self.cfg.max_num_batched_tokens
-        batch = []
-        for req in running:
-            if budget and req.num_tokens - req.num_computed == 1:
-                batch.append((req, 1))
-                budget -= 1
-        chunks = 0
+        batch: list[tuple[Request, int]] = []
 
-        def add_chunk(req: Request) -> None:
-            nonlocal budget, chunks
-            n = min(req.num_tokens - req.num_computed, budget)
+        def preempt_newest() -> Request:
+            nonlocal budget
+            victim = running.pop()
+            for i, (req, n) in enumerate(batch):
+                if req is victim:
+                    del batch[i]
+                    budget += n
+                    break
+            self._release(victim)
+            victim.num_computed = 0
+            victim.num_preemptions += 1
+            self.stats.preemptions += 1
+            waiting.appendleft(victim)
+            return victim
+
+        def add(req: Request, n: int, *, preempt: bool) -> bool:
+            """Schedules ``n`` tokens of ``req`` if its blocks can grow to hold them."""
+            nonlocal budget
+            while not self._grow(req, req.num_computed + n):
+                if not preempt or preempt_newest() is req:
+                    return False
             batch.append((req, n))
             budget -= n
-            chunks += n > 1
+            return True
 
-        slots = self.cfg.prefill_slots
-        for req in running:
-            if budget and chunks < slots and req.num_tokens - req.num_computed > 1:
-                add_chunk(req)
-        while waiting and budget and chunks < slots and len(running) < self.cfg.max_num_seqs:
-            req = waiting[0]
-            if self._blocks_for(req) > self.allocator.num_free:
+        def fitting(req: Request) -> int:
+            """The tokens of ``req``'s next chunk that the budget and free blocks allow."""
+            free = (len(req.block_ids) + self.allocator.num_free) * self.cfg.block_size
+            return min(req.num_tokens - req.num_computed, budget, free - req.num_computed)
+
+        for req in list(running):  # oldest first: preemption takes the newest
+            if budget and req.num_tokens - req.num_computed == 1 and req in running:
+                add(req, 1, preempt=True)
+        chunks = 0
+        for req in list(running):
+            left = req.num_tokens - req.num_computed
+            if budget and chunks < self.cfg.prefill_slots and left > 1 and req in running:
+                # What the free blocks hold, or else a block's worth made free.
+                n = fitting(req)
+                n = n if n > 0 else min(left, budget, self.cfg.block_size)
+                chunks += add(req, n, preempt=True) and n > 1
+        while (
+            waiting
+            and budget
+            and chunks < self.cfg.prefill_slots
+            and len(running) < self.cfg.max_num_seqs
+        ):
+            n = fitting(waiting[0])
+            if n <= 0 or not add(waiting[0], n, preempt=False):
                 break
-            waiting.popleft()
-            req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)), np.int32)
-            running.append(req)
-            add_chunk(req)
+            running.append(waiting.popleft())
+            chunks += n > 1
         batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
         return batch
 
@@ -355,12 +404,13 @@ class Engine:
             for context_len, query_len in pairs:
                 req = Request([0] * (context_len + query_len), max_new_tokens=1)
                 req.num_computed = context_len
-                req.block_ids = np.asarray(self.allocator.allocate(self._blocks_for(req)))
+                if not self._grow(req, context_len + query_len):
+                    raise CacheFullError("too few free cache blocks to precompile")
                 batch.append((req, query_len))
             return self.step(batch, buckets)[1]
         finally:
             for req, _ in batch:
-                self.allocator.free(req.block_ids.tolist())
+                self._release(req)
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""
@@ -383,15 +433,15 @@ class Engine:
                     min(req.num_computed + n, prompt_len) - req.num_computed, 0
                 )
                 req.num_computed += n
-                if req.num_computed < prompt_len:
-                    continue  # a prompt chunk: its logits are not a sample
+                if req.num_computed < req.num_tokens:
+                    continue  # a prompt (or recompute) chunk: its logits are not a sample
                 req.output_ids.append(int(tok))
                 self.stats.generated_tokens += 1
                 if self.stats.first_token_s is None:
                     self.stats.first_token_s = time.perf_counter() - t_start
                 if self._finished(req):
                     running.remove(req)
-                    self.allocator.free(req.block_ids.tolist())
+                    self._release(req)
             now = time.perf_counter()
             self.stats.elapsed_s = elapsed_before + now - t_start
             if now - t_log >= progress_every_s or not (waiting or running):

@@ -238,3 +238,25 @@ def test_decodes_run_before_prompt_chunks(tiny):
         req.block_ids = np.asarray(engine.allocator.allocate(2))
     batch = engine._schedule([prompt, decode], deque())
     assert batch == [(decode, 1), (prompt, 7)]
+
+
+def test_preemption_recomputes_the_same_tokens(tiny, rng):
+    """Blocks are taken as tokens arrive: 4 requests that need 16 blocks in all share 6, so
+    the newest are preempted and recomputed; every request finishes with the greedy tokens
+    of an unconstrained run."""
+    prompts = [rng.integers(0, 512, 20).tolist() for _ in range(4)]
+
+    def run(num_blocks):
+        engine = Engine(
+            tiny,
+            EngineConfig(num_blocks=num_blocks, max_num_batched_tokens=64, impl="reference"),
+            log=lambda _: None,
+        )
+        requests = engine.generate([Request(p, 40, ignore_eos=True) for p in prompts])
+        return engine, [r.output_ids for r in requests]
+
+    roomy, want = run(16)
+    tight, got = run(6)
+    assert roomy.stats.preemptions == 0 and tight.stats.preemptions > 0
+    assert got == want and all(len(out) == 40 for out in got)
+    assert tight.allocator.num_free == 6
