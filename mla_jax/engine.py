@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 64
     max_num_prefills: int | None = None  # prompt chunks per step (default: up to 4)
-    max_model_len: int | None = None  # longest sequence admitted (default: the model's)
+    max_model_len: int | None = None  # longest sequence admitted (default: model_len())
     workspace_size: int = 8192  # cached-context rows gathered per chunk
     cache_dtype: str | None = None  # default: the model's dtype
     buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
@@ -83,6 +83,13 @@ class EngineConfig:
         """Prompt chunks per step: ``max_num_prefills``, by default as many as the workspace
         holds a block for, up to 4."""
         return self.max_num_prefills or min(4, self.workspace_size // self.block_size)
+
+    def model_len(self, max_position_embeddings: int) -> int:
+        """The longest sequence admitted: ``max_model_len``, else the smaller of the model's
+        ``max_position_embeddings`` and what the cache holds (it sets the block-table width
+        every step carries, so a 160K-position model with a small cache stays cheap)."""
+        cache_tokens = self.num_blocks * self.block_size
+        return self.max_model_len or min(max_position_embeddings, cache_tokens)
 
     def fixed_buckets(self, max_model_len: int) -> Buckets:
         """The only shapes the engine runs: decode batches on a x4 ladder from 16 up to
@@ -182,7 +189,7 @@ class Engine:
             dtype,
         )
         self.allocator = BlockAllocator(cfg.num_blocks)
-        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        self.max_model_len = cfg.model_len(self.model_cfg.max_position_embeddings)
         if self.max_model_len > self.model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
@@ -222,17 +229,18 @@ class Engine:
         if req.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {req.temperature}")
         total = len(req.prompt_ids) + req.max_new_tokens
-        if total > max_len:
+        where = f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
+        if total > self.model_cfg.max_position_embeddings:
             raise RequestError(
-                f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
-                f"{total} exceeds max_model_len {max_len}"
-                + ("" if self.cfg.max_model_len else " (the model's max_position_embeddings)")
+                f"{where} exceeds max_position_embeddings {self.model_cfg.max_position_embeddings}"
             )
         if self._blocks_for(req) > self.cfg.num_blocks:
             raise CacheFullError(
                 f"a request of {total} tokens needs {self._blocks_for(req)} cache blocks of "
                 f"{self.cfg.block_size}; the cache has {self.cfg.num_blocks}"
             )
+        if total > max_len:
+            raise RequestError(f"{where} exceeds max_model_len {max_len}")
 
     def _blocks_for(self, req: Request) -> int:
         return -(-(len(req.prompt_ids) + req.max_new_tokens) // self.cfg.block_size)

@@ -131,8 +131,8 @@ def _engine_config(
     if args.num_blocks is None and prompts:
         per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
         num_blocks = per_request * len(prompts)
-    else:
-        num_blocks = args.num_blocks or 1
+    else:  # given, or listing buckets: the engine's default cache
+        num_blocks = args.num_blocks or EngineConfig.num_blocks
     try:
         return EngineConfig(
             block_size=args.block_size,
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """Prints every program the engine would run for this model and these flags."""
     model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
-    max_model_len = args.max_model_len or load_config(model_dir).max_position_embeddings
     cfg = _engine_config(ap, args, [])
+    max_model_len = cfg.model_len(load_config(model_dir).max_position_embeddings)
     shapes = cfg.fixed_buckets(max_model_len).step_shapes(cfg.workspace_size)
     print(f"{len(shapes)} programs (max_model_len {max_model_len}):")
     for shape in shapes:
