@@ -234,16 +234,14 @@ class Engine:
             raise RequestError(
                 f"{where} exceeds max_position_embeddings {self.model_cfg.max_position_embeddings}"
             )
-        if self._blocks_for(req) > self.cfg.num_blocks:
+        blocks = -(-total // self.cfg.block_size)
+        if blocks > self.cfg.num_blocks:
             raise CacheFullError(
-                f"a request of {total} tokens needs {self._blocks_for(req)} cache blocks of "
+                f"a request of {total} tokens needs {blocks} cache blocks of "
                 f"{self.cfg.block_size}; the cache has {self.cfg.num_blocks}"
             )
         if total > max_len:
             raise RequestError(f"{where} exceeds max_model_len {max_len}")
-
-    def _blocks_for(self, req: Request) -> int:
-        return -(-(len(req.prompt_ids) + req.max_new_tokens) // self.cfg.block_size)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)

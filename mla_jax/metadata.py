@@ -38,7 +38,7 @@ class Buckets:
     """How each padded size of a step is chosen. An axis with a ladder takes its smallest
     entry that fits, an axis fixed to a size always takes it, and any other axis takes the
     smallest power of two >= max(n, its minimum). The engine fixes every axis (see
-    ``EngineConfig.buckets``), so that the programs it can run are a small set known before
+    ``EngineConfig.fixed_buckets``), so that the programs it can run are a small set known before
     the first request; the defaults suit one-off calls."""
 
     min_decodes: int = 8
@@ -147,7 +147,7 @@ class ChunkedContext:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeMetadata:
-    block_table: np.ndarray  # [Bd, Wd] int32; unused entries are block 0
+    block_table: np.ndarray  # [Bd, Wd] int32; entries past a request's need are never read
     seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
     schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
 
@@ -355,8 +355,8 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
 def _pad_table(
     bt: np.ndarray, lens: np.ndarray, rows: int, buckets: Buckets, block_size: int
 ) -> np.ndarray:
-    """Rows of ``bt`` cut to the blocks ``lens`` needs, unused entries zeroed (a valid block,
-    so that a kernel reading past a sequence's end stays in bounds), padded to buckets."""
+    """Rows of ``bt`` cut to the blocks ``lens`` needs, padded to buckets; the entries past
+    that are zeroed, though no kernel reads them."""
     needed = -(-lens // block_size)
     width = buckets.blocks(int(needed.max()) if needed.size else 1)
     w = min(width, bt.shape[1])
