@@ -1,4 +1,6 @@
-"""Paged latent KV cache: one ``[num_blocks, block_size, Lkv + R]`` array per layer.
+"""Paged latent KV cache: ``[num_layers, num_blocks, block_size, Lkv + R]``, every layer's
+``[num_blocks, block_size, Lkv + R]`` blocks stacked (a layer's block ``i`` holds the same
+tokens in every layer, so one block table serves them all).
 
 A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request lives in block
 ``block_table[pos // block_size]`` at offset ``pos % block_size``, i.e. at the flat slot
@@ -21,26 +23,41 @@ class CacheFullError(RuntimeError):
 
 def init_cache(
     num_layers: int, num_blocks: int, block_size: int, width: int, dtype=jnp.bfloat16
-) -> tuple[jax.Array, ...]:
-    """One zeroed ``[num_blocks, block_size, width]`` cache per layer."""
-    if num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
-    return tuple(jnp.zeros((num_blocks, block_size, width), dtype) for _ in range(num_layers))
+) -> jax.Array:
+    """A zeroed ``[num_layers, num_blocks, block_size, width]`` cache."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("width", width),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    return jnp.zeros((num_layers, num_blocks, block_size, width), dtype)
 
 
 def write_cache(
-    cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array
+    cache: jax.Array,
+    kv_c: jax.Array,
+    k_pe: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
-    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``.
+    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``
+    of ``cache [num_blocks, block_size, width]``, or with ``layer``, of that layer of
+    ``cache [L, num_blocks, block_size, width]``.
 
     Tokens whose slot is out of range (``PAD_SLOT``) are dropped. Donate ``cache`` to the
     enclosing jit so that XLA updates it in place.
     """
-    num_blocks, block_size, width = cache.shape
+    if layer is None:
+        return write_cache(cache[None], kv_c, k_pe, slot_mapping, layer=0)[0]
     rows = jnp.concatenate([kv_c, k_pe], axis=-1).astype(cache.dtype)
-    flat = cache.reshape(num_blocks * block_size, width)
-    flat = flat.at[slot_mapping].set(rows, mode="drop")
-    return flat.reshape(num_blocks, block_size, width)
+    num_layers, num_blocks, block_size, width = cache.shape
+    flat = cache.reshape(num_layers, num_blocks * block_size, width)
+    flat = flat.at[layer, slot_mapping].set(rows, mode="drop")
+    return flat.reshape(cache.shape)
 
 
 class BlockAllocator:

@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoints <-> DeepseekModel.
 
-Parameter paths map to HF tensor names mechanically: ``layers.3.self_attn.q_a_proj.kernel``
-is ``model.layers.3.self_attn.q_a_proj.weight`` transposed (HF stores ``[out, in]``),
-``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head`` has no
-``model.`` prefix.
+Parameter paths map to HF tensor names mechanically. The decoder layers' parameters are
+stacked, so ``layers.self_attn.q_a_proj.kernel [L, in, out]`` holds one tensor per layer:
+its row ``i`` is ``model.layers.{i}.self_attn.q_a_proj.weight`` transposed (HF stores
+``[out, in]``). ``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head``
+has no ``model.`` prefix.
 """
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ class WeightsError(ValueError):
     """A checkpoint's tensors do not match the model its config.json describes."""
 
 
-def hf_name(path: tuple) -> str:
-    """HF tensor name of an nnx parameter path."""
+def hf_names(path: tuple, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """``(HF tensor name, layer)`` of each tensor an nnx parameter holds: one per layer
+    (``layer`` indexes the parameter's leading axis) for the stacked decoder layers, else one
+    (``layer`` None)."""
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
+    if parts[0] == "layers":
+        rest = ".".join(parts[1:])
+        return [(f"model.layers.{i}.{rest}", i) for i in range(shape[0])]
     name = ".".join(parts)
-    return name if parts[0] == "lm_head" else f"model.{name}"
+    return [(name if parts[0] == "lm_head" else f"model.{name}", None)]
 
 
 def _is_transposed(path: tuple) -> bool:
@@ -116,7 +122,10 @@ def load_model(
     cfg = load_config(model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = {hf_name(path): (path, var) for path, var in nnx.to_flat_state(state)}
+    params = {}  # HF name -> (parameter path, its abstract variable, layer or None)
+    for path, var in nnx.to_flat_state(state):
+        for name, layer in hf_names(path, var.shape):
+            params[name] = (path, var, layer)
     files = _checkpoint_files(model_dir)
 
     missing = sorted(set(params) - set(files))
@@ -135,21 +144,28 @@ def load_model(
         with _open(file) as f:
             for name in names:
                 _check_header(f.get_slice(name), name, *params[name])
-    loaded = []
+    # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
+    buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
     for i, (file, names) in enumerate(shards):
         if verbose:
             print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
         with _open(file) as f:
             for name in names:
-                path, var = params[name]
+                path, _, layer = params[name]
                 array = f.get_tensor(name)
                 if _is_transposed(path):
                     array = array.T
-                loaded.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
+                buffer = buffers[path]
+                if layer is None:
+                    buffer[...] = array
+                else:
+                    buffer[layer] = array
+    variables = {path: var for path, var, _ in params.values()}
+    loaded = [(path, variables[path].replace(jnp.asarray(b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(header, name: str, path: tuple, var: nnx.Variable) -> None:
+def _check_header(header, name: str, path: tuple, var: nnx.Variable, layer: int | None) -> None:
     """Dtype and shape of tensor ``name`` as its file's header records them (HF layout)."""
     if header.get_dtype() not in _FLOAT_DTYPES:
         raise WeightsError(
@@ -157,7 +173,8 @@ def _check_header(header, name: str, path: tuple, var: nnx.Variable) -> None:
             f"({', '.join(_FLOAT_DTYPES)})"
         )
     shape = tuple(header.get_shape())
-    want = tuple(var.shape[::-1] if _is_transposed(path) else var.shape)
+    want = var.shape if layer is None else var.shape[1:]
+    want = tuple(want[::-1] if _is_transposed(path) else want)
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
 
@@ -170,7 +187,9 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        tensors[hf_name(path)] = np.ascontiguousarray(array.T if _is_transposed(path) else array)
+        for name, layer in hf_names(path, array.shape):
+            tensor = array if layer is None else array[layer]
+            tensors[name] = np.ascontiguousarray(tensor.T if _is_transposed(path) else tensor)
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(model.cfg), f, indent=2)

@@ -115,8 +115,8 @@ def test_last_token_logits_match(checkpoint, rng):
     )
     ids = np.zeros(md.positions.shape[0], np.int32)
     ids[md.token_rows()] = np.concatenate(prompts)
-    caches = init_cache(cfg.num_layers, 15, bs, cfg.mla.cache_width, jnp.float32)
-    logits, _ = model(jnp.asarray(ids), caches, md, impl="reference")
+    cache = init_cache(cfg.num_layers, 15, bs, cfg.mla.cache_width, jnp.float32)
+    logits, _ = model(jnp.asarray(ids), cache, md, impl="reference")
     logits = np.asarray(logits)[md.request_rows()]
     for prompt, got in zip(prompts, logits, strict=True):
         with torch.no_grad():
