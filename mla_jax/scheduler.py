@@ -48,12 +48,16 @@ class Request:
 
     def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
         """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the
-        pending token (whose id is only on the device, given here as 0), if they hold it."""
-        known = self.prompt_ids + self.output_ids
-        ids = known[start:stop]
-        if stop <= len(known):
+        pending token (whose id is only on the device, given here as 0), if they hold it.
+        Slices only (no copy of a whole prompt: this runs for every request every step)."""
+        prompt_len = len(self.prompt_ids)
+        known = prompt_len + len(self.output_ids)
+        ids = self.prompt_ids[start:stop] if start < prompt_len else []
+        if stop > prompt_len:
+            ids += self.output_ids[max(start - prompt_len, 0) : stop - prompt_len]
+        if stop <= known:
             return ids, None
-        return ids + [0] * (stop - max(start, len(known))), len(known) - start
+        return ids + [0] * (stop - max(start, known)), known - start
 
 
 class Scheduled(NamedTuple):
@@ -125,6 +129,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         running, waiting = self.running, self.waiting
+        preempted: set[Request] = set()  # (a set: `in running` would be O(n) per request)
 
         def preempt_newest() -> Request:
             nonlocal budget
@@ -138,6 +143,7 @@ class Scheduler:
             victim.num_computed = 0
             victim.num_preemptions += 1
             self.preemptions += 1
+            preempted.add(victim)
             waiting.appendleft(victim)
             return victim
 
@@ -161,13 +167,13 @@ class Scheduler:
                 budget
                 and req.wants_tokens
                 and req.num_tokens - req.num_computed == 1
-                and req in running
+                and req not in preempted
             ):
                 add(req, 1, preempt=True)
         chunks = 0
         for req in list(running):
             left = req.num_tokens - req.num_computed
-            if budget and chunks < self.prefill_slots and left > 1 and req in running:
+            if budget and chunks < self.prefill_slots and left > 1 and req not in preempted:
                 # What the free blocks hold, or else a block's worth made free.
                 n = fitting(req)
                 n = n if n > 0 else min(left, budget, self.block_size)

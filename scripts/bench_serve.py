@@ -209,6 +209,7 @@ def main():
     ap.add_argument("--layers", type=int, help="override the model's depth")
     ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
     ap.add_argument("--rows", default="decode,prefill,mixed")
+    ap.add_argument("--decode-rows", help="e.g. 64x512,256x4096 (default: all)")
     ap.add_argument("--out")
     args = ap.parse_args()
     model_cfg = MODELS[args.model]
@@ -225,7 +226,10 @@ def main():
     )
     rows, kinds = [], args.rows.split(",")
     if "decode" in kinds:
-        for batch, context in DECODE_ROWS:
+        decode_rows = DECODE_ROWS
+        if args.decode_rows:
+            decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+        for batch, context in decode_rows:
             row = _decode_row(engine, model_cfg, weight_bytes, bandwidth, batch, context)
             print(row, flush=True)
             rows.append(row)
