@@ -5,9 +5,9 @@ Tiny random configs (16 experts in 4 groups, 2 groups kept, top 3, 2 shared expe
 from the transformers module through ``hf_expert_slice``; both grouped-matmul paths (the Pallas
 kernel in interpret mode and the ragged_dot reference). Tolerance: relative error 5e-7
 (float32 rounding of two matmuls and a weighted sum; measured <= 2.1e-7 on both paths over
-seeds 0-2 of every case). The
-routing details must matter: the test checks that dropping the correction bias, the group
-limit, the scaling factor or ``norm_topk_prob`` changes the output by far more than that.
+seeds 0-2 of every case). The routing details must matter: the test checks that dropping
+the correction bias, the group limit, the scaling factor or ``norm_topk_prob`` changes the
+output by far more than that.
 """
 
 from __future__ import annotations
