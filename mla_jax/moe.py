@@ -127,7 +127,7 @@ def routed_experts(
     t, k = expert_ids.shape
     num_experts, inter = down_proj.shape[:2]
     flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)  # pair order -> sorted order
+    order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     rows = x.astype(gate_up_proj.dtype)[order // k]
     gate_up = grouped_matmul(rows, gate_up_proj, group_sizes).astype(jnp.float32)
