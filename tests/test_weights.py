@@ -164,7 +164,14 @@ def test_no_checkpoint_files(tmp_path):
 
 
 def test_moe_layer_is_refused_by_name(tmp_path):
-    d = dict(config_to_dict(CFG), n_routed_experts=8, first_k_dense_replace=1)
+    d = dict(
+        config_to_dict(CFG),
+        n_routed_experts=8,
+        first_k_dense_replace=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+    )
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(MoENotSupportedError, match="layer 1 is a mixture-of-experts"):
         load_model(tmp_path)
