@@ -251,6 +251,20 @@ class ModelConfig:
                 f"{self.mla.hidden_size})"
             )
 
+    def layer_runs(self) -> list[tuple[int, int, bool]]:
+        """The decoder as runs of consecutive layers of one kind: ``(first layer, count,
+        is_moe)``; each run is one stacked module scanned over (DeepSeek-V2-Lite: a dense
+        layer, then 26 MoE layers)."""
+        runs: list[tuple[int, int, bool]] = []
+        for layer in range(self.num_layers):
+            moe = self.is_moe_layer(layer)
+            if runs and runs[-1][2] == moe:
+                first, count, _ = runs[-1]
+                runs[-1] = (first, count + 1, moe)
+            else:
+                runs.append((layer, 1, moe))
+        return runs
+
     def is_moe_layer(self, layer: int) -> bool:
         return (
             self.n_routed_experts is not None

@@ -16,6 +16,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +26,7 @@ from safetensors.numpy import save_file
 
 from .config import ModelConfig, config_to_dict, load_config
 from .model import DeepseekModel
+from .moe import hf_expert_names, hf_expert_slice
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -37,18 +39,48 @@ class WeightsError(ValueError):
     """A checkpoint's tensors do not match the model its config.json describes."""
 
 
-def hf_names(path: tuple, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
-    """``(HF tensor name, layer)`` of each tensor an nnx parameter holds: one per layer
-    (``layer`` indexes the parameter's leading axis) for the stacked decoder layers, else one
-    (``layer`` None)."""
+class TensorSlot(NamedTuple):
+    """Where HF tensor ``name`` goes: ``parameter[index] = tensor.transpose(axes)``."""
+
+    name: str
+    index: tuple  # into the (stacked) parameter: ints and slices
+    axes: tuple[int, ...]  # the transpose taking HF's layout to the parameter's
+    hf_shape: tuple[int, ...]  # the shape the HF tensor must have
+
+
+def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+    """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
+    run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
+    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one."""
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
-    if parts[0] == "layers":
-        rest = ".".join(parts[1:])
-        return [(f"model.layers.{i}.{rest}", i) for i in range(shape[0])]
-    name = ".".join(parts)
-    return [(name if parts[0] == "lm_head" else f"model.{name}", None)]
+    if parts[0] != "layers":
+        name = ".".join(parts)
+        slot_name = name if parts[0] == "lm_head" else f"model.{name}"
+        return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
+    first = cfg.layer_runs()[int(parts[1])][0]
+    rest = ".".join(parts[2:])
+    slots = []
+    for i in range(shape[0]):
+        prefix = f"model.layers.{first + i}"
+        if parts[2:4] == ["mlp", "experts"]:
+            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe):
+                where = hf_expert_slice(name, cfg.moe)
+                if where.param == parts[4]:
+                    slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
+        else:
+            slots.append(
+                _plain_slot(f"{prefix}.{rest}", (i,), shape, transposed=_is_transposed(path))
+            )
+    return slots
+
+
+def _plain_slot(name: str, index: tuple, shape: tuple[int, ...], *, transposed: bool):
+    own = tuple(shape[len(index) :])
+    if transposed:
+        return TensorSlot(name, index, (1, 0), own[::-1])
+    return TensorSlot(name, index, tuple(range(len(own))), own)
 
 
 def _is_transposed(path: tuple) -> bool:
@@ -122,10 +154,10 @@ def load_model(
     cfg = load_config(model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = {}  # HF name -> (parameter path, its abstract variable, layer or None)
+    params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
-        for name, layer in hf_names(path, var.shape):
-            params[name] = (path, var, layer)
+        for slot in hf_tensors(path, var.shape, cfg):
+            params[slot.name] = (path, var, slot)
     files = _checkpoint_files(model_dir)
 
     missing = sorted(set(params) - set(files))
@@ -151,21 +183,14 @@ def load_model(
             print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
         with _open(file) as f:
             for name in names:
-                path, _, layer = params[name]
-                array = f.get_tensor(name)
-                if _is_transposed(path):
-                    array = array.T
-                buffer = buffers[path]
-                if layer is None:
-                    buffer[...] = array
-                else:
-                    buffer[layer] = array
+                path, _, slot = params[name]
+                buffers[path][slot.index] = f.get_tensor(name).transpose(slot.axes)
     variables = {path: var for path, var, _ in params.values()}
     loaded = [(path, variables[path].replace(jnp.asarray(b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(header, name: str, path: tuple, var: nnx.Variable, layer: int | None) -> None:
+def _check_header(header, name: str, path: tuple, var: nnx.Variable, slot: TensorSlot) -> None:
     """Dtype and shape of tensor ``name`` as its file's header records them (HF layout)."""
     if header.get_dtype() not in _FLOAT_DTYPES:
         raise WeightsError(
@@ -173,8 +198,7 @@ def _check_header(header, name: str, path: tuple, var: nnx.Variable, layer: int 
             f"({', '.join(_FLOAT_DTYPES)})"
         )
     shape = tuple(header.get_shape())
-    want = var.shape if layer is None else var.shape[1:]
-    want = tuple(want[::-1] if _is_transposed(path) else want)
+    want = slot.hf_shape
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
 
@@ -187,9 +211,9 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        for name, layer in hf_names(path, array.shape):
-            tensor = array if layer is None else array[layer]
-            tensors[name] = np.ascontiguousarray(tensor.T if _is_transposed(path) else tensor)
+        for slot in hf_tensors(path, array.shape, model.cfg):
+            inverse = np.argsort(slot.axes)
+            tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(model.cfg), f, indent=2)

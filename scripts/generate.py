@@ -20,7 +20,6 @@ from mla_jax.cache import CacheFullError
 from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.metadata import MetadataError
-from mla_jax.model import MoENotSupportedError
 from mla_jax.tiny import tiny_checkpoint
 from mla_jax.weights import WeightsError, load_model
 
@@ -29,7 +28,6 @@ from mla_jax.weights import WeightsError, load_model
 _USER_ERRORS = (
     ConfigError,
     WeightsError,
-    MoENotSupportedError,
     RequestError,
     CacheFullError,
     MetadataError,

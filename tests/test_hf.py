@@ -30,7 +30,7 @@ COMMON = dict(
     qk_nope_head_dim=24,
     v_head_dim=16,
     max_position_embeddings=512,
-    first_k_dense_replace=2,  # dense layers only: MoE is not supported yet
+    first_k_dense_replace=2,  # dense layers (the MoE checkpoints below override it)
     eos_token_id=None,
     bos_token_id=None,
 )
@@ -76,10 +76,48 @@ def _v2_lite_legacy_schema():
     return transformers.DeepseekV2ForCausalLM, cfg, to_legacy
 
 
-@pytest.fixture(params=["v3", "v2-lite-legacy"])
+# Layer 0 dense, layer 1 mixture-of-experts: 8 routed experts in 4 groups, 2 groups kept,
+# top 2, a shared expert, routed_scaling_factor not 1.
+MOE = dict(
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+)
+
+
+def _v3_moe():
+    cls, cfg, _ = _v3_current_schema()
+    cfg = transformers.DeepseekV3Config(**{**cfg.to_dict(), **MOE, "norm_topk_prob": True})
+    return cls, cfg, None
+
+
+def _v2_moe():
+    cfg = transformers.DeepseekV2Config(
+        **{**COMMON, **MOE},
+        num_attention_heads=4,
+        qk_rope_head_dim=8,
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+    )
+    return transformers.DeepseekV2ForCausalLM, cfg, None
+
+
+CHECKPOINTS = {
+    "v3": _v3_current_schema,
+    "v2-lite-legacy": _v2_lite_legacy_schema,
+    "v3-moe": _v3_moe,
+    "v2-moe": _v2_moe,
+}
+
+
+@pytest.fixture(params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path, rng):
-    make = {"v3": _v3_current_schema, "v2-lite-legacy": _v2_lite_legacy_schema}[request.param]
-    cls, cfg, rewrite = make()
+    cls, cfg, rewrite = CHECKPOINTS[request.param]()
     torch.manual_seed(int(rng.integers(2**31)))
     model = cls(cfg).float().eval()
     with torch.no_grad():
@@ -125,10 +163,12 @@ def test_last_token_logits_match(checkpoint, rng):
 
 
 @pytest.mark.parametrize("budget,impl", [(8, "reference"), (64, "reference"), (8, "pallas")])
-def test_greedy_tokens_match(checkpoint, rng, budget, impl):
+def test_greedy_tokens_match(checkpoint, rng, budget, impl, request):
     """``generate.py --dtype float32`` (chunked prefill when the budget is below the prompt)
     vs transformers' greedy generate; on a GPU the Pallas kernels run compiled."""
     hf, path = checkpoint
+    if "moe" in request.node.callspec.params["checkpoint"] and budget == 64:
+        pytest.skip("MoE checkpoints: chunked prefill (budget 8) on both kernel sets is enough")
     prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]
     # No persistent compilation cache: it is process-wide, and other tests count compilations.
     argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "6"]
