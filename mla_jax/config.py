@@ -220,6 +220,9 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     num_nextn_predict_layers: int = 0
+    # How the checkpoint's weights are stored (a quantization.FP8BlockQuantization), for the
+    # loader: the model itself runs in its own dtype, so this is not written back.
+    quantization: Any = None
     # The MoE layers' router and experts; None when no layer is MoE.
     moe: MoEConfig | None = None
 
@@ -327,20 +330,6 @@ def _parse_rope(d: dict, *, interleaved: bool) -> RopeConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _refuse_quantization(quantization: Any) -> None:
-    """Quantized weights (FP8 and the like) would load as garbage: refuse them by method."""
-    if quantization is None:
-        return
-    if not isinstance(quantization, dict):
-        raise ConfigError(
-            f"config.json field 'quantization_config' must be an object: {quantization!r}"
-        )
-    method = quantization.get("quant_method", "?")
-    raise ConfigError(
-        f"quantized checkpoints ({method}) are not supported: convert the weights to bfloat16 first"
-    )
-
-
 # transformers 5.23's defaults for the MoE fields a config.json leaves out.
 _MOE_DEFAULTS = {
     "deepseek_v2": dict(
@@ -412,7 +401,9 @@ def config_from_dict(d: dict) -> ModelConfig:
     model_type = _field(d, "model_type", str)
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported (no DeepSeek checkpoint uses it)")
-    _refuse_quantization(d.get("quantization_config"))
+    from .quantization import parse_quantization_config  # (it imports ConfigError from here)
+
+    quantization = parse_quantization_config(d.get("quantization_config"))
     act = _field(d, "hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -446,6 +437,7 @@ def config_from_dict(d: dict) -> ModelConfig:
         first_k_dense_replace=_field(d, "first_k_dense_replace", int, 0),
         moe_layer_freq=_field(d, "moe_layer_freq", int, 1),
         num_nextn_predict_layers=_field(d, "num_nextn_predict_layers", int, 0),
+        quantization=quantization,
     )
     # The MoE fields are read only where a layer is MoE: dense configs leave them null.
     if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 from .config import ModelConfig, config_to_dict, load_config
 from .model import DeepseekModel
 from .moe import hf_expert_names, hf_expert_slice
+from .quantization import dequantize, read_safetensors, scale_name
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -163,7 +164,11 @@ def load_model(
     missing = sorted(set(params) - set(files))
     if missing:
         raise WeightsError(f"checkpoint {model_dir} lacks tensors: {_listing(missing)}")
-    unexpected = sorted(n for n in set(files) - set(params) if not _ignorable(n, cfg))
+    quantization = cfg.quantization
+    scales = set()  # the block scales of fp8 weights, read with their weights
+    if quantization is not None:
+        scales = {scale_name(n) for n in params if scale_name(n) in files}
+    unexpected = sorted(n for n in set(files) - set(params) - scales if not _ignorable(n, cfg))
     if unexpected:
         raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
 
@@ -175,7 +180,11 @@ def load_model(
     for file, names in shards:
         with _open(file) as f:
             for name in names:
-                _check_header(f.get_slice(name), name, *params[name])
+                fp8 = _check_header(f.get_slice(name), name, *params[name], quantization)
+                if fp8 and scale_name(name) not in files:
+                    raise WeightsError(
+                        f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
+                    )
     # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
     buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
     for i, (file, names) in enumerate(shards):
@@ -184,15 +193,31 @@ def load_model(
         with _open(file) as f:
             for name in names:
                 path, _, slot = params[name]
-                buffers[path][slot.index] = f.get_tensor(name).transpose(slot.axes)
+                if f.get_slice(name).get_dtype() == "F8_E4M3":
+                    # Dequantized tensor by tensor: host memory holds one in float32 at a time.
+                    scale = read_safetensors(files[scale_name(name)], scale_name(name))
+                    array = read_safetensors(file, name)
+                    try:
+                        array = dequantize(array, scale, quantization)
+                    except ValueError as e:
+                        raise WeightsError(f"tensor {name}: {e}") from None
+                else:
+                    array = f.get_tensor(name)
+                buffers[path][slot.index] = array.transpose(slot.axes)
     variables = {path: var for path, var, _ in params.values()}
     loaded = [(path, variables[path].replace(jnp.asarray(b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(header, name: str, path: tuple, var: nnx.Variable, slot: TensorSlot) -> None:
-    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout)."""
-    if header.get_dtype() not in _FLOAT_DTYPES:
+def _check_header(
+    header, name: str, path: tuple, var: nnx.Variable, slot: TensorSlot, quantization
+) -> bool:
+    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
+    True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
+    fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None
+    if fp8 and len(slot.hf_shape) != 2:
+        raise WeightsError(f"tensor {name} is fp8 but not a matrix {list(slot.hf_shape)}")
+    if not fp8 and header.get_dtype() not in _FLOAT_DTYPES:
         raise WeightsError(
             f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
             f"({', '.join(_FLOAT_DTYPES)})"
@@ -201,6 +226,7 @@ def _check_header(header, name: str, path: tuple, var: nnx.Variable, slot: Tenso
     want = slot.hf_shape
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
+    return fp8
 
 
 def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:

@@ -184,3 +184,56 @@ def test_greedy_tokens_match(checkpoint, rng, budget, impl, request):
                 torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
             )
         assert output["generated_ids"] == out[0, len(prompt) :].tolist()
+
+
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, rng):
+    """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
+    block scales (blocks of 16 x 8, so edge blocks are partial) loads dequantized: logits
+    equal transformers' run on the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from mla_jax.quantization import FP8BlockQuantization, dequantize, quantize
+
+    cls, cfg, _ = _v3_moe()
+    torch.manual_seed(int(rng.integers(2**31)))
+    hf = cls(cfg).float().eval()
+    blocks = FP8BlockQuantization((16, 8))
+    quantized = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                continue
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            if name.endswith("proj.weight") and p.ndim == 2:
+                weight, scale = quantize(p.numpy(), blocks)
+                quantized[name] = (weight, scale)
+                p.copy_(torch.from_numpy(dequantize(weight, scale, blocks)))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name, (weight, scale) in quantized.items():
+        tensors[name] = torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = torch.from_numpy(scale)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 8]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    assert len(quantized) > 10
+    cfg, model = load_model(tmp_path)
+    prompt = rng.integers(0, 96, 9).tolist()
+    md = build_metadata(
+        np.zeros(1, np.int32),
+        np.array([len(prompt)]),
+        np.arange(3)[None],
+        block_size=4,
+        num_blocks=3,
+        workspace_size=64,
+    )
+    ids = np.zeros(md.positions.shape[0], np.int32)
+    ids[md.token_rows()] = prompt
+    cache = init_cache(cfg.num_layers, 3, 4, cfg.mla.cache_width, jnp.float32)
+    logits, _ = model(jnp.asarray(ids), cache, md, impl="reference")
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+    assert rel_err(np.asarray(logits)[md.request_rows()][0], want) < 1e-5
