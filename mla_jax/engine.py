@@ -324,7 +324,7 @@ class Engine:
         try:
             for context_len, query_len in pairs:
                 req = Request([0] * (context_len + query_len), max_new_tokens=1)
-                if not self.scheduler._grow(req, context_len + query_len):
+                if not self.scheduler.grow(req, context_len + query_len):
                     raise CacheFullError("too few free cache blocks to precompile")
                 batch.append(Scheduled(req, context_len, query_len, True))
             launched = self._launch(batch, None, time.perf_counter(), buckets)
@@ -333,7 +333,7 @@ class Engine:
         finally:
             self._last_launch = None
             for entry in batch:
-                self.scheduler._release(entry.request)
+                self.scheduler.release(entry.request)
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""

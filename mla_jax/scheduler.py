@@ -103,9 +103,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self.release(req)
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
+    def grow(self, req: Request, num_tokens: int) -> bool:
         """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
         when too few are free."""
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
@@ -116,7 +116,7 @@ class Scheduler:
             req.block_ids = np.concatenate([req.block_ids, new])
         return True
 
-    def _release(self, req: Request) -> None:
+    def release(self, req: Request) -> None:
         self.allocator.free(req.block_ids.tolist())
         req.block_ids = np.zeros(0, np.int32)
 
@@ -139,7 +139,7 @@ class Scheduler:
                     del batch[i]
                     budget += n
                     break
-            self._release(victim)
+            self.release(victim)
             victim.num_computed = 0
             victim.num_preemptions += 1
             self.preemptions += 1
@@ -150,7 +150,7 @@ class Scheduler:
         def add(req: Request, n: int, *, preempt: bool) -> bool:
             """Schedules ``n`` tokens of ``req`` if its blocks can grow to hold them."""
             nonlocal budget
-            while not self._grow(req, req.num_computed + n):
+            while not self.grow(req, req.num_computed + n):
                 if not preempt or preempt_newest() is req:
                     return False
             batch.append((req, n))

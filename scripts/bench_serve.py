@@ -32,7 +32,7 @@ import numpy as np
 from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
 from flax import nnx
 
-from mla_jax.config import MLAConfig, ModelConfig
+from mla_jax.config import ModelConfig, preset
 from mla_jax.engine import Engine, EngineConfig, Request
 from mla_jax.model import DeepseekModel
 
@@ -45,15 +45,7 @@ MODELS = {
         num_layers=27,
         intermediate_size=10944,
         max_position_embeddings=163840,
-        mla=MLAConfig(
-            hidden_size=2048,
-            num_heads=16,
-            q_lora_rank=None,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        ),
+        mla=preset("deepseek-v2-lite"),
     ),
     # DeepSeek-V3's attention (128 heads, q LoRA 1536, hidden 7168) with its dense-layer MLP.
     "v3": ModelConfig(
@@ -62,15 +54,7 @@ MODELS = {
         num_layers=24,
         intermediate_size=18432,
         max_position_embeddings=163840,
-        mla=MLAConfig(
-            hidden_size=7168,
-            num_heads=128,
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        ),
+        mla=preset("deepseek-v3"),
     ),
 }
 DECODE_ROWS = [(b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)]
@@ -106,7 +90,7 @@ def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> No
     ``steps`` decode steps to go, placed straight into the scheduler."""
     for _ in range(batch):
         req = Request([1] * (context + 1), max_new_tokens=steps, ignore_eos=True)
-        if not engine.scheduler._grow(req, context + steps + 1):
+        if not engine.scheduler.grow(req, context + steps + 1):
             raise RuntimeError("the benchmark's cache is too small")
         req.num_computed = context
         engine.scheduler.running.append(req)
