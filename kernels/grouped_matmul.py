@@ -141,15 +141,21 @@ def _grouped_matmul_kernel(
         b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=0)
         return acc + online_softmax.dot(a, b)
 
+    # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and
+    # a Python int beside a weakly typed jnp.where lowered to mixed ones.
     full_steps = depth // block_k
+    zero = jnp.int32(0)
     acc = jnp.zeros((block_m, block_n), jnp.float32)
     acc = jax.lax.fori_loop(
-        0, jnp.where(has_group, full_steps, 0), functools.partial(step, tail=False), acc
+        zero,
+        jnp.where(has_group, jnp.int32(full_steps), zero),
+        functools.partial(step, tail=False),
+        acc,
     )
     if depth % block_k:
         acc = jax.lax.fori_loop(
-            full_steps,
-            jnp.where(has_group, full_steps + 1, full_steps),
+            jnp.int32(full_steps),
+            jnp.where(has_group, jnp.int32(full_steps + 1), jnp.int32(full_steps)),
             functools.partial(step, tail=True),
             acc,
         )
