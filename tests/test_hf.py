@@ -76,9 +76,11 @@ def _v2_lite_legacy_schema():
     return transformers.DeepseekV2ForCausalLM, cfg, to_legacy
 
 
-# Layer 0 dense, layer 1 mixture-of-experts: 8 routed experts in 4 groups, 2 groups kept,
-# top 2, a shared expert, routed_scaling_factor not 1.
+# Layer 0 dense, layers 1-2 mixture-of-experts (one stacked run of two, so that each must
+# find its own experts in the run's stack): 8 routed experts in 4 groups, 2 groups kept, top
+# 2, a shared expert, routed_scaling_factor not 1.
 MOE = dict(
+    num_hidden_layers=3,
     first_k_dense_replace=1,
     n_routed_experts=8,
     num_experts_per_tok=2,
