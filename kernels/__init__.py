@@ -1,6 +1,10 @@
 """MLA attention kernels and the MoE grouped matmul: Pallas (Triton lowering on GPU, interpret
 mode elsewhere) and their pure-jnp references, behind one selector, plus the host-side plan
-the Pallas kernels' schedules are built with."""
+the Pallas kernels' schedules are built with.
+
+Each kernel can be called on its own: the README's Kernels section gives their shapes,
+dtypes, the LSE layout and the block-table contract, with a snippet for each that runs as it
+is (``tests/test_readme.py``)."""
 
 from __future__ import annotations
 
