@@ -1,0 +1,162 @@
+"""Tensor parallelism across the local devices, on ``jax.sharding``.
+
+A one-axis ``Mesh`` (axis ``"tp"``) over N devices; every parameter gets a ``NamedSharding``
+from its path (``partition_spec``) and XLA's SPMD partitioner derives the rest of the step:
+
+- attention heads split across ranks: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by output
+  columns (whole heads, so ``W_UK`` / ``W_UV`` are split by heads), ``o_proj`` by input rows,
+  whose partial products XLA sums across ranks (an all-reduce of ``[T, H]`` per layer);
+- the down projections to the latents (``q_a_proj``, ``kv_a_proj_with_mqa``), the norms and
+  the latent cache are replicated: with one latent KV head every rank attends over every
+  latent row (the cost of TP for MLA: the cache is not divided, each rank holds all of it);
+- the dense MLP and the MoE layers' shared experts split column (gate, up) / row (down), a
+  second all-reduce per layer;
+- the embedding table and ``lm_head`` split by vocabulary rows / columns;
+- the routed experts and the router replicated (each rank runs every expert's matmuls on
+  every token: expert parallelism is not implemented).
+
+The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps each in a
+``shard_map``: the decode, prefill and merge kernels run on each rank over its heads (the
+cache, block tables and schedules replicated), the grouped matmul runs replicated. Nothing
+here writes a collective: the only ones are those XLA inserts for the shardings above.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kernels
+
+from .config import ModelConfig
+
+AXIS = "tp"
+
+# Parameter path suffix -> how its own (trailing) axes split; stacked layers' leading layer
+# axis is never split. Paths not listed are replicated.
+_COLUMNS = (None, AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
+_ROWS = (AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
+    (("self_attn", "q_proj", "kernel"), _COLUMNS),
+    (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
+    (("self_attn", "kv_b_proj", "kernel"), _COLUMNS),
+    (("self_attn", "o_proj", "kernel"), _ROWS),
+    (("gate_proj", "kernel"), _COLUMNS),  # the dense MLP and the shared experts
+    (("up_proj", "kernel"), _COLUMNS),
+    (("down_proj", "kernel"), _ROWS),
+    (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
+    (("lm_head", "kernel"), _COLUMNS),
+)
+
+
+def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``("tp",)`` mesh over the first ``tensor_parallel`` devices (default: all local
+    devices of the default backend)."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    if not 1 <= tensor_parallel <= len(devices):
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} needs that many devices; "
+            f"{len(devices)} are available ({devices[0].platform})"
+        )
+    return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+
+
+def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
+    """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
+    heads, the MLP widths and the vocabulary that it splits."""
+    sizes = {
+        "num_attention_heads": cfg.mla.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    if cfg.moe is not None:
+        sizes["shared experts' intermediate size"] = cfg.moe.shared_intermediate_size
+    for name, size in sizes.items():
+        if size % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not divide the model's {name} ({size})"
+            )
+
+
+def partition_spec(path: Sequence[str], ndim: int) -> P:
+    """The ``PartitionSpec`` of the parameter at ``path`` (nnx state keys, e.g. ``("layers",
+    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes."""
+    path = tuple(path)
+    for suffix, spec in _RULES:
+        if path[-len(suffix) :] == suffix:
+            return P(*(None,) * (ndim - len(spec)), *spec)
+    return P()
+
+
+def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+    """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
+    order."""
+    shardings = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+        if keys[-1] == "value":  # nnx.Variable's own leaf
+            keys.pop()
+        shardings.append(NamedSharding(mesh, partition_spec(keys, leaf.ndim)))
+    return shardings
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: int):
+    """``function`` under ``shard_map``: its first ``head_args`` arguments (``[T, N, ...]``)
+    split by heads (axis 1), the rest of its ``num_args`` replicated; each output split by
+    heads."""
+    heads = P(None, AXIS)
+    return jax.shard_map(
+        function,
+        mesh=mesh,
+        in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
+        out_specs=(heads,) * num_outputs,
+        check_vma=False,  # Pallas calls carry no replication information
+    )
+
+
+def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.KernelSet:
+    """``kernel_set`` with each kernel run under ``shard_map`` on ``mesh``: attention
+    kernels per rank on its heads, the grouped matmul replicated. Same signatures."""
+
+    def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None):
+        def local(q_lat, q_pe, cache, block_table, seq_lens, schedule):
+            return kernel_set.mla_decode(
+                q_lat, q_pe, cache, block_table, seq_lens, scale=scale, schedule=schedule
+            )
+
+        run = _by_heads(local, mesh, head_args=2, num_args=6, num_outputs=2)
+        return run(q_lat, q_pe, cache, block_table, seq_lens, schedule)
+
+    def flash_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, schedule=None):
+        def local(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule):
+            return kernel_set.flash_prefill(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, schedule=schedule
+            )
+
+        run = _by_heads(local, mesh, head_args=3, num_args=6, num_outputs=2)
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule)
+
+    merge_attn_states = _by_heads(
+        kernel_set.merge_attn_states, mesh, head_args=4, num_args=4, num_outputs=2
+    )
+
+    def grouped_matmul(lhs, rhs, group_sizes, **options):
+        run = jax.shard_map(
+            functools.partial(kernel_set.grouped_matmul, **options),
+            mesh=mesh,
+            in_specs=(P(), P(), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+        return run(lhs, rhs, group_sizes)
+
+    return kernels.KernelSet(mla_decode, flash_prefill, merge_attn_states, grouped_matmul)
