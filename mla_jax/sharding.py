@@ -93,16 +93,25 @@ def partition_spec(path: Sequence[str], ndim: int) -> P:
     return P()
 
 
-def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
-    """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
-    order."""
-    shardings = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+def param_paths(state) -> list[tuple[str, ...]]:
+    """The path of each leaf of an nnx ``state`` as strings (``("layers", "0", "self_attn",
+    "o_proj", "kernel")``), in ``jax.tree.flatten`` order."""
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
         keys = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
         if keys[-1] == "value":  # nnx.Variable's own leaf
             keys.pop()
-        shardings.append(NamedSharding(mesh, partition_spec(keys, leaf.ndim)))
-    return shardings
+        paths.append(tuple(keys))
+    return paths
+
+
+def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+    """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
+    order."""
+    return [
+        NamedSharding(mesh, partition_spec(path, leaf.ndim))
+        for path, leaf in zip(param_paths(state), jax.tree.leaves(state), strict=True)
+    ]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
