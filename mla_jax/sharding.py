@@ -12,21 +12,23 @@ from its path (``partition_spec``) and XLA's SPMD partitioner derives the rest o
 - the dense MLP and the MoE layers' shared experts split column (gate, up) / row (down), a
   second all-reduce per layer;
 - the embedding table and ``lm_head`` split by vocabulary rows / columns;
-- the routed experts and the router replicated (each rank runs every expert's matmuls on
-  every token: expert parallelism is not implemented).
+- the routed experts split by expert (expert parallelism over the same ranks): every rank
+  routes every token (the router is replicated) and runs the rows of its own experts; the
+  ranks' outputs, each zero outside its rows, are summed after each expert matmul.
 
 The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps each in a
 ``shard_map``: the decode, prefill and merge kernels run on each rank over its heads (the
-cache, block tables and schedules replicated), the grouped matmul runs replicated. Nothing
-here writes a collective: the only ones are those XLA inserts for the shardings above.
+cache, block tables and schedules replicated), the grouped matmul on each rank over its
+experts. Nothing here writes a collective: the only ones are those XLA inserts for the
+shardings above (all-reduces of partial sums, and the gathers of each rank's best logit).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -51,6 +53,8 @@ _RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("down_proj", "kernel"), _ROWS),
     (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
     (("lm_head", "kernel"), _COLUMNS),
+    (("experts", "gate_up_proj"), (AXIS, None, None)),  # [E, H, 2I]: by expert
+    (("experts", "down_proj"), (AXIS, None, None)),  # [E, I, H]
 )
 
 
@@ -76,6 +80,7 @@ def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
     }
     if cfg.moe is not None:
         sizes["shared experts' intermediate size"] = cfg.moe.shared_intermediate_size
+        sizes["n_routed_experts"] = cfg.moe.n_routed_experts
     for name, size in sizes.items():
         if size % tensor_parallel:
             raise ValueError(
@@ -132,9 +137,34 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
     )
 
 
+def _by_experts(grouped_matmul, mesh: Mesh):
+    """``grouped_matmul(lhs [M, K], rhs [E, K, N], group_sizes [E])`` with ``rhs`` split by
+    experts (axis 0) over the mesh; ``lhs``, ``group_sizes`` and the result replicated.
+
+    Rank r holds experts ``[r E/n, (r + 1) E/n)``, whose rows (lhs is sorted by expert) are
+    one range of lhs: it rolls that range to the top, multiplies it by its experts (the rows
+    after them are padding, which the kernel sets to 0 without reading any weight), rolls
+    the result back; the ranks' results, each zero outside its own rows, are summed."""
+
+    def local(lhs, rhs, group_sizes):
+        num_local = rhs.shape[0]
+        first = jax.lax.axis_index(AXIS) * num_local
+        expert = jnp.arange(group_sizes.shape[0])
+        start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
+        sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
+        out = grouped_matmul(jnp.roll(lhs, -start, axis=0), rhs, sizes)
+        return jnp.roll(out, start, axis=0)[None]
+
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=P(AXIS), check_vma=False
+    )
+    return lambda lhs, rhs, group_sizes: run(lhs, rhs, group_sizes).sum(axis=0)
+
+
 def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.KernelSet:
     """``kernel_set`` with each kernel run under ``shard_map`` on ``mesh``: attention
-    kernels per rank on its heads, the grouped matmul replicated. Same signatures."""
+    kernels per rank on its heads, the grouped matmul per rank on its experts. Same
+    signatures."""
 
     def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None):
         def local(q_lat, q_pe, cache, block_table, seq_lens, schedule):
@@ -158,14 +188,5 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
         kernel_set.merge_attn_states, mesh, head_args=4, num_args=4, num_outputs=2
     )
 
-    def grouped_matmul(lhs, rhs, group_sizes, **options):
-        run = jax.shard_map(
-            functools.partial(kernel_set.grouped_matmul, **options),
-            mesh=mesh,
-            in_specs=(P(), P(), P()),
-            out_specs=P(),
-            check_vma=False,
-        )
-        return run(lhs, rhs, group_sizes)
-
+    grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
     return kernels.KernelSet(mla_decode, flash_prefill, merge_attn_states, grouped_matmul)

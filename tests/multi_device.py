@@ -10,7 +10,7 @@ environment. The job names checkpoints, the ``generate.py`` flags they run with 
 (checkpoint, tensor_parallel, impl) runs; the result holds each run's generated tokens,
 for the ``inspect`` checkpoint at ``inspect_tp`` every parameter's and the cache's placement
 and the collectives of a compiled decode step, and the errors of the Pallas kernels run
-under ``shard_map`` at ``inspect_tp``. The test file judges them.
+under ``shard_map`` at ``inspect_tp`` (heads or experts split). The test file judges them.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
 
 def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     """The Pallas kernels (interpreted) under ``sharding.sharded_kernels``, each rank on its
-    heads, against the unsharded references: relative error of each output."""
+    heads or experts, against the unsharded references: relative error of each output."""
     mesh = sharding.make_mesh(tensor_parallel)
     pallas = sharding.sharded_kernels(kernels.PALLAS, mesh)
     rng = np.random.default_rng(seed)
@@ -95,15 +95,20 @@ def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     cu_q, cu_k = jnp.asarray([0, 3, 9], jnp.int32), jnp.asarray([0, 5, 12], jnp.int32)
     prefill = (normal(10, heads, 24), normal(12, heads, 24), normal(12, heads, 8), cu_q, cu_k)
     merge = (normal(10, heads, 8), normal(10, heads), normal(10, heads, 8), normal(10, heads))
+    group_sizes = rng.multinomial(18, np.ones(2 * tensor_parallel) / (2 * tensor_parallel))
+    grouped = (normal(20, 24), normal(2 * tensor_parallel, 24, 16), jnp.asarray(group_sizes))
     calls = {
         "mla_decode": (decode, dict(scale=0.3)),
         "flash_prefill": (prefill, dict(scale=0.2, causal=True)),
         "merge_attn_states": (merge, {}),
+        "grouped_matmul": (grouped, {}),  # 2 experts a rank, 2 padding rows
     }
     errors = {}
     for name, (args, options) in calls.items():
         got = getattr(pallas, name)(*args, **options)
         want = getattr(kernels.REFERENCE, name)(*args, **options)
+        if name == "grouped_matmul":  # one output, not a tuple
+            got, want = (got,), (want,)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
             finite = np.isfinite(w)

@@ -33,7 +33,7 @@ FLAGS += ["--max-num-seqs", "4"]
 # The kernels run the references here; multi_device.py checks the Pallas kernels under
 # shard_map on their own (interpreting them through whole models would take minutes).
 RUNS = [["v3", 2, "reference"], ["v3", 4, "reference"], ["v2-moe", 4, "reference"]]
-INSPECT, INSPECT_TP = "v3", 4
+INSPECT, INSPECT_TP = "v2-moe", 4  # a dense layer and a MoE layer
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +89,20 @@ def test_tensor_parallel_greedy_tokens_match_transformers(multi_device, run):
     assert result["tokens"][run] == expected[run.split("/")[0]]
 
 
-# The parameter suffixes split by tensor parallelism and the axis (from the end) they split.
+# The parameter suffixes split by tensor parallelism and the axis (from the end) they split
+# (the inspected checkpoint has no q LoRA: q_proj, not q_b_proj).
 SPLIT = {
-    "self_attn/q_b_proj/kernel": -1,  # by output heads
+    "self_attn/q_proj/kernel": -1,  # by output heads
     "self_attn/kv_b_proj/kernel": -1,  # by heads
     "self_attn/o_proj/kernel": -2,  # by input heads
-    "mlp/gate_proj/kernel": -1,
-    "mlp/up_proj/kernel": -1,
-    "mlp/down_proj/kernel": -2,
+    "/mlp/gate_proj/kernel": -1,  # the dense layer's MLP
+    "/mlp/up_proj/kernel": -1,
+    "/mlp/down_proj/kernel": -2,
+    "shared_experts/gate_proj/kernel": -1,
+    "shared_experts/up_proj/kernel": -1,
+    "shared_experts/down_proj/kernel": -2,
+    "experts/gate_up_proj": -3,  # routed experts [E, H, 2I]: by expert
+    "experts/down_proj": -3,
     "embed_tokens/embedding": -2,  # by vocabulary
     "lm_head/kernel": -1,
 }
@@ -105,19 +111,20 @@ SPLIT = {
 def test_parameters_are_split_and_the_cache_replicated(multi_device):
     result, _ = multi_device
     params = result["params"]
-    split = 0
+    split = set()
     for path, placement in params.items():
         assert placement["devices"] == DEVICES, path
-        axis = next((a for suffix, a in SPLIT.items() if path.endswith(suffix)), None)
-        if axis is None:  # norms, q_a_proj, kv_a_proj: every device holds all of it
+        suffix = next((s for s in SPLIT if f"/{path}".endswith(s)), None)
+        if suffix is None:  # norms, kv_a_proj, the router: every device holds all of it
             assert placement["device_bytes"] == [placement["nbytes"]] * DEVICES, path
             continue
-        split += 1
+        split.add(suffix)
+        axis = SPLIT[suffix]
         spec = [None] * len(placement["shape"])
         spec[axis] = "tp"
         assert placement["spec"] + [None] * (len(spec) - len(placement["spec"])) == spec, path
         assert placement["device_bytes"] == [placement["nbytes"] // DEVICES] * DEVICES, path
-    assert split == len(SPLIT)
+    assert split == set(SPLIT)
     total = sum(p["nbytes"] for p in params.values())
     per_device = sum(p["device_bytes"][0] for p in params.values())
     assert per_device < 0.5 * total  # most of the weights are split four ways
@@ -126,16 +133,19 @@ def test_parameters_are_split_and_the_cache_replicated(multi_device):
 
 
 def test_only_activation_collectives(multi_device):
-    """The compiled steps sum ``[T, H]`` partial products (o_proj, the MLP's down_proj, the
-    vocabulary-split embedding lookup) and gather each rank's best logit and its index for
-    sampling; no weight or cache moves between devices."""
+    """The compiled steps sum partial products: ``[T, H]`` ones (o_proj, the MLPs'
+    down_proj, the vocabulary-split embedding lookup) and the routed experts' ``[T k, 2I]``
+    and ``[T k, H]`` rows; they gather each rank's best logit and its index for sampling. No
+    weight or cache moves between devices."""
     result, _ = multi_device
-    hidden = result["params"]["norm/weight"]["shape"][0]
+    params = result["params"]
+    hidden = params["norm/weight"]["shape"][0]
+    gate_up = next(p["shape"][-1] for path, p in params.items() if path.endswith("gate_up_proj"))
     kinds = set()
     for op, shape in result["collectives"]:
         dims = [int(d) for d in shape.split("[")[1].split("]")[0].split(",")]
         if op == "all-reduce":
-            assert dims[-1] == hidden, shape
+            assert dims[-1] in (hidden, gate_up), shape
         else:
             assert op == "all-gather" and dims[-1] == DEVICES and len(dims) == 2, shape
         kinds.add(op)
@@ -143,11 +153,12 @@ def test_only_activation_collectives(multi_device):
 
 
 def test_pallas_kernels_under_shard_map_match_the_references(multi_device):
-    """Decode, prefill and merge kernels split by heads over 4 devices (2 heads each) vs the
-    unsharded references, float32: both compute the same sums in another order (observed
-    ~1e-7; test_reference_kernels checks the references against float64 NumPy)."""
+    """Decode, prefill and merge kernels split by heads over 4 devices (2 heads each), the
+    grouped matmul by experts (2 each), vs the unsharded references, float32: both compute
+    the same sums in another order (observed ~1e-7; test_reference_kernels checks the
+    references against float64 NumPy)."""
     result, _ = multi_device
-    assert len(result["kernel_errors"]) == 6
+    assert len(result["kernel_errors"]) == 7
     for name, error in result["kernel_errors"].items():
         assert error < 1e-6, name
 
