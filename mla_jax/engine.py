@@ -52,7 +52,7 @@ class EngineConfig:
     impl: str = "auto"  # kernels.select
     # Launch step n+1 before reading step n's tokens (host work overlaps the device's).
     async_scheduling: bool = True
-    # Devices the model's heads, MLP columns and vocabulary are split across (sharding.py).
+    # Devices the heads, MLP columns, vocabulary and experts are split across (sharding.py).
     tensor_parallel: int = 1
 
     def __post_init__(self):

@@ -72,7 +72,7 @@ def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None)
 
 def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
     """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
-    heads, the MLP widths and the vocabulary that it splits."""
+    heads, the MLP widths, the vocabulary and the routed experts that it splits."""
     sizes = {
         "num_attention_heads": cfg.mla.num_heads,
         "intermediate_size": cfg.intermediate_size,

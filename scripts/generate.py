@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tp",
         type=_positive_int,
         default=1,
-        help="tensor parallel: split heads, MLP and vocabulary across this many devices",
+        help="tensor parallel: split heads, MLPs, experts and vocabulary over this many devices",
     )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
