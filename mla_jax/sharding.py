@@ -138,27 +138,47 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
 
 
 def _by_experts(grouped_matmul, mesh: Mesh):
-    """``grouped_matmul(lhs [M, K], rhs [E, K, N], group_sizes [E])`` with ``rhs`` split by
-    experts (axis 0) over the mesh; ``lhs``, ``group_sizes`` and the result replicated.
+    """``grouped_matmul(lhs [M, K], rhs [L * E, K, N], group_sizes [E], group_offset=l * E)``
+    (layer l's experts of a stack of L layers' ``[L, E, K, N]``, reshaped by
+    ``moe.routed_experts``) with the experts split over the mesh; ``lhs``, ``group_sizes``
+    and the result replicated.
 
-    Rank r holds experts ``[r E/n, (r + 1) E/n)``, whose rows (lhs is sorted by expert) are
-    one range of lhs: it rolls that range to the top, multiplies it by its experts (the rows
-    after them are padding, which the kernel sets to 0 without reading any weight), rolls
-    the result back; the ranks' results, each zero outside its own rows, are summed."""
+    Rank r holds experts ``[r E/n, (r + 1) E/n)`` of every layer, whose rows (lhs is sorted
+    by expert) are one range of lhs: it rolls that range to the top, multiplies it by its
+    experts (the rows after them are padding, which the kernel sets to 0 without reading any
+    weight), rolls the result back; the ranks' results, each zero outside its own rows, are
+    summed."""
 
-    def local(lhs, rhs, group_sizes):
-        num_local = rhs.shape[0]
+    def local(lhs, stacked, group_sizes, layer):
+        num_local = stacked.shape[1]
         first = jax.lax.axis_index(AXIS) * num_local
         expert = jnp.arange(group_sizes.shape[0])
         start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
-        out = grouped_matmul(jnp.roll(lhs, -start, axis=0), rhs, sizes)
+        out = grouped_matmul(
+            jnp.roll(lhs, -start, axis=0),
+            stacked.reshape(-1, *stacked.shape[2:]),  # this rank's [L * E/n, K, N]
+            sizes,
+            group_offset=layer * num_local,
+        )
         return jnp.roll(out, start, axis=0)[None]
 
     run = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=P(AXIS), check_vma=False
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(None, AXIS), P(), P()),
+        out_specs=P(AXIS),
+        check_vma=False,
     )
-    return lambda lhs, rhs, group_sizes: run(lhs, rhs, group_sizes).sum(axis=0)
+
+    def by_experts(lhs, rhs, group_sizes, *, group_offset=0):
+        num_experts = group_sizes.shape[0]
+        # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
+        stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
+        layer = jnp.asarray(group_offset, jnp.int32) // num_experts
+        return run(lhs, stacked, group_sizes, layer).sum(axis=0)
+
+    return by_experts
 
 
 def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.KernelSet:

@@ -31,9 +31,12 @@ from mla_jax import sharding
 from mla_jax.engine import Engine, EngineConfig
 from mla_jax.weights import load_model
 
+# An HLO collective: its result shape, or a tuple of them (XLA combines small all-reduces).
 _COLLECTIVE = re.compile(
-    r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+    r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
 )
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[[0-9,]*\]")
 
 
 def _placement(array: jax.Array) -> dict:
@@ -69,7 +72,8 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
     for program in runner.programs.values():
         for line in program.as_text().splitlines():
             if match := _COLLECTIVE.search(line):
-                collectives.append([match.group(2), match.group(1)])
+                for shape in _SHAPE.findall(match.group(1)):
+                    collectives.append([match.group(2), shape])
     return {
         "params": {p: _placement(a) for p, a in zip(paths, runner.params, strict=True)},
         "cache": _placement(runner.cache),
@@ -95,13 +99,15 @@ def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     cu_q, cu_k = jnp.asarray([0, 3, 9], jnp.int32), jnp.asarray([0, 5, 12], jnp.int32)
     prefill = (normal(10, heads, 24), normal(12, heads, 24), normal(12, heads, 8), cu_q, cu_k)
     merge = (normal(10, heads, 8), normal(10, heads), normal(10, heads, 8), normal(10, heads))
-    group_sizes = rng.multinomial(18, np.ones(2 * tensor_parallel) / (2 * tensor_parallel))
-    grouped = (normal(20, 24), normal(2 * tensor_parallel, 24, 16), jnp.asarray(group_sizes))
+    experts = 2 * tensor_parallel
+    group_sizes = jnp.asarray(rng.multinomial(18, np.ones(experts) / experts), jnp.int32)
+    grouped = (normal(20, 24), normal(3 * experts, 24, 16), group_sizes)  # 3 layers' experts
     calls = {
         "mla_decode": (decode, dict(scale=0.3)),
         "flash_prefill": (prefill, dict(scale=0.2, causal=True)),
         "merge_attn_states": (merge, {}),
-        "grouped_matmul": (grouped, {}),  # 2 experts a rank, 2 padding rows
+        # 2 experts a rank, the second layer's, 2 padding rows.
+        "grouped_matmul": (grouped, dict(group_offset=experts)),
     }
     errors = {}
     for name, (args, options) in calls.items():
