@@ -198,7 +198,14 @@ def main(argv: list[str] | None = None) -> str:
         workspace_size=max(args.block_size, min(32768, prefill[1])),
         impl=args.impl,
     )
-    measured = []  # (tp, GB per GPU, measurement)
+    notes = _notes(model, model_cfg, args, steps, profiled)
+    extra = {
+        "model": dataclasses.asdict(model_cfg),
+        "machine": machine(),
+        "devices": jax.device_count(),
+        "settings": settings,
+    }
+    measured, path = [], None  # (tp, GB per GPU, measurement)
     for tp in args.modes:
         start = time.perf_counter()
         engine = Engine(model, _engine_config(**settings, tensor_parallel=tp), log=lambda _: None)
@@ -216,20 +223,37 @@ def main(argv: list[str] | None = None) -> str:
         )
         del engine
         gc.collect()
+        # Saved after every mode, so that a mode that fails leaves the others' rows.
+        path = save(
+            f"multi_{args.model}",
+            f"Across GPUs: {args.model}-shaped model, 1 GPU vs tensor parallel",
+            COLUMNS,
+            _rows(measured),
+            notes,
+            extra=extra,
+            out_dir=args.out,
+            publish=not args.no_publish,
+        )
+    return path
+
+
+def _rows(measured: list[tuple[int, float, dict]]) -> list[dict]:
     one_gpu = {m["workload"]: m for tp, _, m in measured if tp == 1}
-    rows = [
+    return [
         {"cells": _cells(tp, m, one_gpu.get(m["workload"]), gb), "measured": m}
         for tp, gb, m in measured
     ]
-    mla = model_cfg.mla
-    experts = model_cfg.moe
+
+
+def _notes(model, model_cfg, args, steps: int, profiled: int) -> list[str]:
+    mla, experts = model_cfg.mla, model_cfg.moe
     moe = (
         ""
         if experts is None
         else f" (MoE layers: {experts.n_routed_experts} routed experts of "
         f"{experts.moe_intermediate_size}, top {experts.num_experts_per_tok})"
     )
-    notes = [
+    return [
         f"{model_cfg.num_layers} layers, hidden {mla.hidden_size}, {mla.num_heads} heads, "
         f"MLP {model_cfg.intermediate_size}{moe}, vocabulary {model_cfg.vocab_size}; random "
         f"bf16 weights ({_weight_bytes(model, 1) / 1e9:.2f} GB read by a 1-token step on one "
@@ -238,26 +262,11 @@ def main(argv: list[str] | None = None) -> str:
         "TP N: heads, MLP columns, routed experts and vocabulary split over N GPUs "
         "(mla_jax/sharding.py); the latent cache is replicated, so every GPU holds and reads "
         "all of it.",
-        "Collective ms: time each GPU spends in NCCL kernels per step (the two all-reduces of "
-        "[T, hidden] per layer, the embedding's, the sampling's gathers), waits for the other "
-        "GPU included. Speedup: tokens/s over the 1-GPU row of the same workload; scaling "
-        "efficiency = speedup / GPUs.",
+        "Collective ms: time each GPU spends in NCCL kernels per step (the all-reduces of "
+        "partial sums, two per dense layer and one for the embedding; the sampling's "
+        "gathers), waits for the other GPU included. Speedup: tokens/s over the 1-GPU row of "
+        "the same workload; scaling efficiency = speedup / GPUs.",
     ]
-    return save(
-        f"multi_{args.model}",
-        f"Across GPUs: {args.model}-shaped model, 1 GPU vs tensor parallel",
-        COLUMNS,
-        rows,
-        notes,
-        extra={
-            "model": dataclasses.asdict(model_cfg),
-            "machine": machine(),
-            "devices": jax.device_count(),
-            "settings": settings,
-        },
-        out_dir=args.out,
-        publish=not args.no_publish,
-    )
 
 
 if __name__ == "__main__":
