@@ -119,6 +119,16 @@ def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
     ]
 
 
+def placement(mesh: Mesh):
+    """``weights.load_model``'s ``placement``: an nnx parameter path and its number of axes
+    -> its ``NamedSharding`` on ``mesh``, so that each device receives only its shards."""
+
+    def place(path: Sequence, ndim: int) -> NamedSharding:
+        return NamedSharding(mesh, partition_spec([str(key) for key in path], ndim))
+
+    return place
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -172,10 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer is not None:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
     cfg = _engine_config(ap, args, prompts)
-    if args.tp > 1:  # refused before the weights load
+    placement = None
+    if args.tp > 1:  # refused before the weights load, which then go straight to their shards
         try:
             sharding.check_divisible(load_config(model_dir), args.tp)
-            sharding.make_mesh(args.tp)
+            placement = sharding.placement(sharding.make_mesh(args.tp))
         except ValueError as e:
             ap.error(f"--tp {args.tp}: {e}")
     if not args.no_compilation_cache:
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"compilation cache: {path}", file=sys.stderr)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
-    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True)
+    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True, placement=placement)
     engine = Engine(model, cfg, seed=args.seed)
     requests = [
         Request(p, args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)

@@ -74,8 +74,12 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
             if match := _COLLECTIVE.search(line):
                 for shape in _SHAPE.findall(match.group(1)):
                     collectives.append([match.group(2), shape])
+    # Loaded straight to their shards (as generate.py --tp does): the same placements.
+    _, placed = load_model(path, placement=sharding.placement(runner.mesh))
+    loaded = jax.tree.leaves(nnx.split(placed)[1])
     return {
         "params": {p: _placement(a) for p, a in zip(paths, runner.params, strict=True)},
+        "loaded_params": {p: _placement(a) for p, a in zip(paths, loaded, strict=True)},
         "cache": _placement(runner.cache),
         "collectives": collectives,
     }

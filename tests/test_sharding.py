@@ -130,6 +130,9 @@ def test_parameters_are_split_and_the_cache_replicated(multi_device):
     assert per_device < 0.5 * total  # most of the weights are split four ways
     cache = result["cache"]
     assert cache["spec"] == [] and cache["device_bytes"] == [cache["nbytes"]] * DEVICES
+    # load_model with sharding.placement (generate.py --tp) puts each parameter where the
+    # engine wants it, without a whole copy on one device first.
+    assert result["loaded_params"] == params
 
 
 def test_only_activation_collectives(multi_device):
