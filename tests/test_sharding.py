@@ -2,10 +2,11 @@
 
 The device count is fixed when JAX is imported, so the multi-device runs happen in a fresh
 process (``multi_device.py``, with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``):
-greedy float32 tokens at TP 1, 2 and 4 on transformers test checkpoints (8 heads with q
-LoRA; 4 heads, no q LoRA, a MoE layer), chunked prefill included, against transformers'
-greedy generate; and, at TP 4, where every parameter and the cache live and which
-collectives the compiled steps run. Refusals run here, on this process's one device.
+greedy float32 tokens at TP 2 and 4 on transformers test checkpoints (8 heads with q LoRA;
+4 heads, no q LoRA, a run of two MoE layers with their experts split by expert), chunked
+prefill included, against transformers' greedy generate; at TP 4, where every parameter and
+the cache live and which collectives a compiled step runs; the Pallas kernels under
+shard_map. Refusals run here, on this process's one device.
 """
 
 from __future__ import annotations
