@@ -125,16 +125,22 @@ def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> No
         engine.scheduler.running.append(req)
 
 
-def _device_ms_per_step(run) -> tuple[float, dict]:
-    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
-    (the ten largest), both divided by the steps ``run`` returns."""
+def profile(run) -> tuple[dict, int]:
+    """The perfetto trace (CUPTI kernel events on GPUs) of ``run()``, and what it returns
+    (its step count)."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         steps = run()
         jax.profiler.stop_trace()
         [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
-            trace = json.load(f)
+            return json.load(f), steps
+
+
+def _device_ms_per_step(run) -> tuple[float, dict]:
+    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
+    (the ten largest), both divided by the steps ``run`` returns."""
+    trace, steps = profile(run)
     per_kernel: dict[str, float] = {}
     for e in _gpu_kernel_events(trace):
         per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]

@@ -117,10 +117,11 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(params=list(CHECKPOINTS))
-def checkpoint(request, tmp_path, rng):
-    cls, cfg, rewrite = CHECKPOINTS[request.param]()
-    torch.manual_seed(int(rng.integers(2**31)))
+def write_checkpoint(name: str, path, seed: int):
+    """Writes checkpoint ``name`` of ``CHECKPOINTS`` with random weights (from ``seed``) to
+    ``path``; returns the transformers model, float32, in eval mode."""
+    cls, cfg, rewrite = CHECKPOINTS[name]()
+    torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     with torch.no_grad():
         for _name, p in model.named_parameters():
@@ -128,15 +129,20 @@ def checkpoint(request, tmp_path, rng):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)
     if rewrite is not None:
-        path = os.path.join(tmp_path, "config.json")
-        with open(path) as f:
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
             d = rewrite(json.load(f))
-        with open(path, "w") as f:
+        with open(config_path, "w") as f:
             json.dump(d, f)
-        model = cls.from_pretrained(tmp_path).float().eval()
-    return model, tmp_path
+        model = cls.from_pretrained(path).float().eval()
+    return model
+
+
+@pytest.fixture(params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path, rng):
+    return write_checkpoint(request.param, tmp_path, int(rng.integers(2**31))), tmp_path
 
 
 def test_last_token_logits_match(checkpoint, rng):
