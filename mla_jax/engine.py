@@ -27,7 +27,7 @@ from .cache import BlockAllocator, CacheFullError, init_cache
 from .config import ModelConfig
 from .metadata import Buckets, StepShape
 from .model import DeepseekModel
-from .runner import Launched, ModelRunner
+from .runner import Launched, ModelRunner, scratch_blocks
 from .scheduler import Request, Scheduled, Scheduler
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestError", "Stats", "StepRecord"]
@@ -74,6 +74,12 @@ class EngineConfig:
             raise ValueError(
                 f"num_blocks ({self.num_blocks}) does not divide among "
                 f"data_parallel={self.data_parallel} ranks"
+            )
+        scratch = scratch_blocks(self.block_size, self.data_parallel)
+        if self.num_blocks // self.data_parallel <= scratch:
+            raise ValueError(
+                f"num_blocks ({self.num_blocks}) leaves no block to each of data_parallel="
+                f"{self.data_parallel} ranks after its {scratch} scratch blocks"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
@@ -217,11 +223,6 @@ class Engine:
         )
         # One allocator and scheduler per DP rank, over its blocks less the runner's scratch.
         self.blocks_per_rank = self.runner.num_blocks - self.runner.scratch_blocks
-        if self.blocks_per_rank <= 0:
-            raise ValueError(
-                f"num_blocks ({cfg.num_blocks}) leaves no block to each of data_parallel="
-                f"{cfg.data_parallel} ranks after its {self.runner.scratch_blocks} scratch blocks"
-            )
         self.schedulers = [
             Scheduler(
                 BlockAllocator(self.blocks_per_rank),
