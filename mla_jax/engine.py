@@ -233,7 +233,6 @@ class Engine:
             )
             for _ in range(cfg.data_parallel)
         ]
-        self._rank: dict[Request, int] = {}  # each request's DP rank, while it runs
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
         self._last_launch: float | None = None
@@ -330,8 +329,9 @@ class Engine:
     def _collect(self, launched: Launched, t_start: float) -> None:
         """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
         tokens = np.asarray(launched.tokens)[launched.rows]
+        ranks = launched.rows // self.runner.max_rows  # each DP rank has max_rows rows
         now = time.perf_counter()
-        for entry, token in zip(launched.batch, tokens, strict=True):
+        for entry, token, rank in zip(launched.batch, tokens, ranks, strict=True):
             req = entry.request
             if not entry.samples:
                 continue
@@ -344,7 +344,7 @@ class Engine:
             if self.stats.first_token_s is None:
                 self.stats.first_token_s = now - t_start
             if self._done(req):
-                self.schedulers[self._rank.pop(req)].finish(req)
+                self.schedulers[rank].finish(req)
 
     def step_shapes(self) -> list[StepShape]:
         """Every program this engine can run (its buckets fix every axis)."""
@@ -399,7 +399,6 @@ class Engine:
                 key=lambda r: len(schedulers[r].running) + len(schedulers[r].waiting),
             )
             schedulers[rank].add(req)
-            self._rank[req] = rank
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
         in_flight: Launched | None = None
