@@ -113,6 +113,10 @@ class ModelRunner:
         self.mesh = mesh
         num_heads = model.cfg.mla.num_heads  # per rank: the kernels see a rank's heads
         kernel_set = kernels.select(impl)
+        if cache.shape[1] % ranks:
+            raise ValueError(
+                f"the cache's {cache.shape[1]} blocks do not divide among {ranks} DP ranks"
+            )
         if mesh is not None:
             num_heads //= mesh.shape[sharding.AXIS]
             shardings = sharding.param_shardings(state, mesh)
@@ -129,10 +133,6 @@ class ModelRunner:
             impl = sharding.sharded_kernels(kernel_set, mesh)
         self.cache = cache
         self.block_size = block_size
-        if cache.shape[1] % ranks:
-            raise ValueError(
-                f"the cache's {cache.shape[1]} blocks do not divide among {ranks} DP ranks"
-            )
         self.num_blocks = cache.shape[1] // ranks  # a rank's (all of them without DP)
         self.scratch_blocks = scratch_blocks(block_size, ranks)
         self.workspace_size = workspace_size
@@ -319,8 +319,11 @@ class ModelRunner:
         start, hits = time.perf_counter(), cache_hits()
         shardings = {}
         if self.mesh is not None:  # parameters, cache and sampled tokens as placed
-            inputs = sharding.by_rank(self.mesh) if self.data_parallel > 1 else None
-            inputs = inputs or sharding.replicated(self.mesh)
+            inputs = (  # the packed buffers: a row per DP rank
+                sharding.by_rank(self.mesh)
+                if self.data_parallel > 1
+                else sharding.replicated(self.mesh)
+            )
             shardings = dict(
                 in_shardings=(
                     [p.sharding for p in self.params],
