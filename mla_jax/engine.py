@@ -27,7 +27,7 @@ from .cache import BlockAllocator, CacheFullError, init_cache
 from .config import ModelConfig
 from .metadata import Buckets, StepShape
 from .model import DeepseekModel
-from .runner import Launched, ModelRunner
+from .runner import Launched, ModelRunner, scratch_blocks
 from .scheduler import Request, Scheduled, Scheduler
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestError", "Stats", "StepRecord"]
@@ -54,6 +54,10 @@ class EngineConfig:
     async_scheduling: bool = True
     # Devices the heads, MLP columns, vocabulary and experts are split across (sharding.py).
     tensor_parallel: int = 1
+    # Ranks (of tensor_parallel devices each) that each run their own requests over their
+    # own num_blocks / data_parallel cache blocks; max_num_seqs and max_num_batched_tokens
+    # bound each rank's step (sharding.py).
+    data_parallel: int = 1
 
     def __post_init__(self):
         for name in (
@@ -62,9 +66,21 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_num_seqs",
             "tensor_parallel",
+            "data_parallel",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks % self.data_parallel:
+            raise ValueError(
+                f"num_blocks ({self.num_blocks}) does not divide among "
+                f"data_parallel={self.data_parallel} ranks"
+            )
+        scratch = scratch_blocks(self.block_size, self.data_parallel)
+        if self.num_blocks // self.data_parallel <= scratch:
+            raise ValueError(
+                f"num_blocks ({self.num_blocks}) leaves no block to each of data_parallel="
+                f"{self.data_parallel} ranks after its {scratch} scratch blocks"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
@@ -91,7 +107,7 @@ class EngineConfig:
         """The longest sequence admitted: ``max_model_len``, else the smaller of the model's
         ``max_position_embeddings`` and what the cache holds (it sets the block-table width
         every step carries, so a 160K-position model with a small cache stays cheap)."""
-        cache_tokens = self.num_blocks * self.block_size
+        cache_tokens = self.num_blocks // self.data_parallel * self.block_size  # a rank's
         return self.max_model_len or min(max_position_embeddings, cache_tokens)
 
     def fixed_buckets(self, max_model_len: int) -> Buckets:
@@ -183,17 +199,9 @@ class Engine:
             )
         self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
         mesh = None
-        if cfg.tensor_parallel > 1:
+        if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
-            mesh = sharding.make_mesh(cfg.tensor_parallel)
-        self.allocator = BlockAllocator(cfg.num_blocks)
-        self.scheduler = Scheduler(
-            self.allocator,
-            block_size=cfg.block_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            prefill_slots=cfg.prefill_slots,
-        )
+            mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
         cache = init_cache(
             self.model_cfg.num_layers,
             cfg.num_blocks,
@@ -213,9 +221,36 @@ class Engine:
             seed=seed,
             mesh=mesh,
         )
+        # One allocator and scheduler per DP rank, over its blocks less the runner's scratch.
+        self.blocks_per_rank = self.runner.num_blocks - self.runner.scratch_blocks
+        self.schedulers = [
+            Scheduler(
+                BlockAllocator(self.blocks_per_rank),
+                block_size=cfg.block_size,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_num_seqs=cfg.max_num_seqs,
+                prefill_slots=cfg.prefill_slots,
+            )
+            for _ in range(cfg.data_parallel)
+        ]
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
         self._last_launch: float | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler, without data parallelism (``schedulers``: one per DP rank)."""
+        if len(self.schedulers) != 1:
+            raise ValueError(
+                f"data_parallel={len(self.schedulers)}: the engine has one scheduler and "
+                "allocator per rank (engine.schedulers)"
+            )
+        return self.schedulers[0]
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The block allocator, without data parallelism."""
+        return self.scheduler.allocator
 
     # -- requests ----------------------------------------------------------------------
 
@@ -239,10 +274,11 @@ class Engine:
                 f"{where} exceeds max_position_embeddings {self.model_cfg.max_position_embeddings}"
             )
         blocks = -(-total // self.cfg.block_size)
-        if blocks > self.cfg.num_blocks:
+        if blocks > self.blocks_per_rank:
+            where = " per DP rank" if self.cfg.data_parallel > 1 else ""
             raise CacheFullError(
                 f"a request of {total} tokens needs {blocks} cache blocks of "
-                f"{self.cfg.block_size}; the cache has {self.cfg.num_blocks}"
+                f"{self.cfg.block_size}; the cache has {self.blocks_per_rank}{where}"
             )
         if total > max_len:
             raise RequestError(f"{where} exceeds max_model_len {max_len}")
@@ -256,11 +292,17 @@ class Engine:
     # -- steps ---------------------------------------------------------------------------
 
     def _launch(
-        self, batch: list[Scheduled], previous: Launched | None, started: float, buckets=None
+        self,
+        batches: list[list[Scheduled]],
+        previous: Launched | None,
+        started: float,
+        buckets=None,
     ) -> Launched:
-        """Starts ``batch`` on the device (``started``: when its scheduling began)."""
+        """Starts each DP rank's batch on the device (``started``: when its scheduling
+        began)."""
         compiled = len(self.runner.compiled)
-        launched = self.runner.launch(batch, previous, buckets or self.buckets)
+        launched = self.runner.launch(batches, previous, buckets or self.buckets)
+        batch = launched.batch
         now = time.perf_counter()
         compile_s = 0.0
         for shape, seconds, from_cache in self.runner.compiled[compiled:]:
@@ -287,8 +329,9 @@ class Engine:
     def _collect(self, launched: Launched, t_start: float) -> None:
         """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
         tokens = np.asarray(launched.tokens)[launched.rows]
+        ranks = launched.rows // self.runner.max_rows  # each DP rank has max_rows rows
         now = time.perf_counter()
-        for entry, token in zip(launched.batch, tokens, strict=True):
+        for entry, token, rank in zip(launched.batch, tokens, ranks, strict=True):
             req = entry.request
             if not entry.samples:
                 continue
@@ -301,7 +344,7 @@ class Engine:
             if self.stats.first_token_s is None:
                 self.stats.first_token_s = now - t_start
             if self._done(req):
-                self.scheduler.finish(req)
+                self.schedulers[rank].finish(req)
 
     def step_shapes(self) -> list[StepShape]:
         """Every program this engine can run (its buckets fix every axis)."""
@@ -313,7 +356,7 @@ class Engine:
         (query_len 1) first, e.g. ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on
         dummy tokens in freshly allocated blocks, which go back to the allocator: call it
         while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
-        so far)."""
+        so far). With data parallelism the steps run on the first rank, the others padded."""
         if steps is not None:
             return [self._dummy_step(pairs, self.buckets) for pairs in steps]
         shapes = []
@@ -329,45 +372,49 @@ class Engine:
         return shapes
 
     def _dummy_step(self, pairs: list[tuple[int, int]], buckets: Buckets) -> StepShape:
-        batch = []
+        scheduler, batch = self.schedulers[0], []
+        idle = [[] for _ in self.schedulers[1:]]
         try:
             for context_len, query_len in pairs:
                 req = Request([0] * (context_len + query_len), max_new_tokens=1)
-                if not self.scheduler.grow(req, context_len + query_len):
+                if not scheduler.grow(req, context_len + query_len):
                     raise CacheFullError("too few free cache blocks to precompile")
                 batch.append(Scheduled(req, context_len, query_len, True))
-            launched = self._launch(batch, None, time.perf_counter(), buckets)
+            launched = self._launch([batch, *idle], None, time.perf_counter(), buckets)
             launched.tokens.block_until_ready()
             return launched.shape
         finally:
             self._last_launch = None
             for entry in batch:
-                self.scheduler.release(entry.request)
+                scheduler.release(entry.request)
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""
         for req in requests:
             self._check(req)
-        scheduler = self.scheduler
-        for req in requests:
-            scheduler.add(req)
+        schedulers = self.schedulers
+        for req in requests:  # to the DP rank with the fewest requests
+            rank = min(
+                range(len(schedulers)),
+                key=lambda r: len(schedulers[r].running) + len(schedulers[r].waiting),
+            )
+            schedulers[rank].add(req)
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
         in_flight: Launched | None = None
-        while scheduler.has_work or in_flight is not None:
+        while any(s.has_work for s in schedulers) or in_flight is not None:
             started = time.perf_counter()
-            batch = scheduler.schedule() if scheduler.has_work else []
+            batches = [s.schedule() if s.has_work else [] for s in schedulers]
             launched = None
-            if batch:
+            if any(batches):
                 self.stats.steps += 1
-                for req, start, count, _ in batch:
+                for req, start, count, _ in (entry for batch in batches for entry in batch):
                     prompt_len = len(req.prompt_ids)
                     self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
-                launched = self._launch(batch, in_flight, started)
+                launched = self._launch(batches, in_flight, started)
             elif in_flight is None:
-                raise CacheFullError(
-                    f"no request can be scheduled: {self.allocator.num_free} free blocks"
-                )
+                free = [s.allocator.num_free for s in schedulers]
+                raise CacheFullError(f"no request can be scheduled: {sum(free)} free blocks")
             if in_flight is not None:  # the device already has the next step, if any
                 self._collect(in_flight, t_start)
             in_flight = launched
@@ -376,10 +423,12 @@ class Engine:
                 in_flight = None
             now = time.perf_counter()
             self.stats.elapsed_s = elapsed_before + now - t_start
-            self.stats.preemptions = scheduler.preemptions
-            if now - t_log >= progress_every_s or not (scheduler.has_work or in_flight):
+            self.stats.preemptions = sum(s.preemptions for s in schedulers)
+            has_work = any(s.has_work for s in schedulers)
+            if now - t_log >= progress_every_s or not (has_work or in_flight):
                 t_log = now
-                self.log(self._progress(len(scheduler.running), len(scheduler.waiting)))
+                running = sum(len(s.running) for s in schedulers)
+                self.log(self._progress(running, sum(len(s.waiting) for s in schedulers)))
         self._last_launch = None
         return requests
 

@@ -29,7 +29,7 @@ from . import sharding
 from .compilation import cache_hits
 from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
 from .model import DeepseekModel
-from .scheduler import Scheduled
+from .scheduler import Request, Scheduled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +85,11 @@ def _sample(logits: jax.Array, temperatures: jax.Array, key: jax.Array) -> jax.A
 
 class ModelRunner:
     """Owns the model's parameters (flat), the cache and the compiled programs. With a
-    ``mesh`` (tensor parallelism, ``sharding.py``) the parameters are split across its
-    devices, the cache and the step's inputs and sampled tokens replicated, and the kernels
-    run per rank on its heads."""
+    ``mesh`` (``sharding.py``) the parameters are split across its ``"tp"`` devices and the
+    kernels run per rank on its heads; the cache and a step's inputs and sampled tokens are
+    replicated over ``"tp"`` and, with a ``"dp"`` axis, split over it: each DP rank runs its
+    own batch on its own ``num_blocks`` cache blocks (of the ``cache``'s ``dp * num_blocks``),
+    block ids local to it."""
 
     def __init__(
         self,
@@ -103,27 +105,38 @@ class ModelRunner:
     ):
         graphdef, state = nnx.split(model)
         self.params, param_tree = jax.tree.flatten(state)
-        self.tokens = jnp.zeros(max_rows, jnp.int32)  # the last step's sampled tokens
+        self.data_parallel = sharding.data_parallel(mesh)
+        ranks = self.data_parallel
+        # The last step's sampled tokens, max_rows per DP rank.
+        self.tokens = jnp.zeros(ranks * max_rows, jnp.int32)
         self.key = jax.random.key(seed)
         self.mesh = mesh
         num_heads = model.cfg.mla.num_heads  # per rank: the kernels see a rank's heads
         kernel_set = kernels.select(impl)
+        if cache.shape[1] % ranks:
+            raise ValueError(
+                f"the cache's {cache.shape[1]} blocks do not divide among {ranks} DP ranks"
+            )
         if mesh is not None:
-            num_heads //= mesh.size
+            num_heads //= mesh.shape[sharding.AXIS]
             shardings = sharding.param_shardings(state, mesh)
             self.params = [
                 jax.device_put(param, placement)
                 for param, placement in zip(self.params, shardings, strict=True)
             ]
-            cache, self.tokens, self.key = jax.device_put(
-                (cache, self.tokens, self.key), sharding.replicated(mesh)
-            )
+            self.key = jax.device_put(self.key, sharding.replicated(mesh))
+            if ranks > 1:
+                cache = jax.device_put(cache, sharding.by_rank(mesh, axis=1))
+                self.tokens = jax.device_put(self.tokens, sharding.by_rank(mesh))
+            else:
+                cache, self.tokens = jax.device_put((cache, self.tokens), sharding.replicated(mesh))
             impl = sharding.sharded_kernels(kernel_set, mesh)
         self.cache = cache
         self.block_size = block_size
-        self.num_blocks = cache.shape[1]
+        self.num_blocks = cache.shape[1] // ranks  # a rank's (all of them without DP)
+        self.scratch_blocks = scratch_blocks(block_size, ranks)
         self.workspace_size = workspace_size
-        self.max_rows = max_rows  # sampled-token rows of the largest step
+        self.max_rows = max_rows  # sampled-token rows of the largest step, per DP rank
         self.kernel_plan = (
             kernels.KernelPlan.for_device(num_heads) if kernel_set is kernels.PALLAS else None
         )
@@ -141,13 +154,106 @@ class ModelRunner:
             tokens = _sample(logits, temperatures, jax.random.fold_in(key, step[0]))
             return jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens), cache
 
-        self._forward = forward
+        if ranks > 1:
+            by_rank = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
+            by_block = jax.sharding.PartitionSpec(None, sharding.DATA_AXIS)
+            replicated = jax.sharding.PartitionSpec()
+
+            def rank_forward(layout, params, cache, packed, previous_tokens, key):
+                # One rank's step: its [1, len] row of the packed buffers, its cache blocks,
+                # its previous tokens; its own sampling stream.
+                key = jax.random.fold_in(key, jax.lax.axis_index(sharding.DATA_AXIS))
+                return forward(layout, params, cache, packed[0], previous_tokens, key)
+
+            def data_parallel_forward(layout: StepLayout, params, cache, packed, tokens, key):
+                return jax.shard_map(
+                    lambda *args: rank_forward(layout, *args),
+                    mesh=mesh,
+                    in_specs=(replicated, by_block, by_rank, by_rank, replicated),
+                    out_specs=(by_rank, by_block),
+                    axis_names={sharding.DATA_AXIS},  # "tp" stays with the partitioner
+                    check_vma=False,
+                )(params, cache, packed, tokens, key)
+
+            self._forward = data_parallel_forward
+        else:
+            self._forward = forward
+
+    def _common_buckets(self, batches: Sequence[Sequence[Scheduled]], buckets: Buckets) -> Buckets:
+        """``buckets`` with one-entry decode and prefill-token ladders, the sizes the rank
+        with the most decodes and the one with the most prefill tokens need: every rank's
+        step takes the same shape (its other axes are fixed)."""
+        if None in (buckets.num_prefills, buckets.table_width, buckets.num_chunks):
+            raise ValueError(
+                "data parallelism needs buckets that fix num_prefills, table_width and "
+                "num_chunks (EngineConfig.fixed_buckets), so that every rank's step has one shape"
+            )
+        decodes = max(sum(entry.count == 1 for entry in batch) for batch in batches)
+        tokens = max(sum(entry.count for entry in batch if entry.count > 1) for batch in batches)
+        return dataclasses.replace(
+            buckets,
+            decode_buckets=(buckets.decodes(max(decodes, 1)),),
+            token_buckets=(buckets.prefill_tokens(max(tokens, 2)),),
+        )
+
+    def _padded(
+        self, batch: Sequence[Scheduled], *, decodes: bool, prefills: bool
+    ) -> tuple[list, slice]:
+        """``batch`` with a padding decode in front if it has none and the step has
+        (``decodes``), a padding prompt at the end likewise (``prefills``), each in this
+        rank's scratch blocks; and the slice of the real requests in it."""
+        scratch = np.arange(self.num_blocks - self.scratch_blocks, self.num_blocks, dtype=np.int32)
+        own_decodes = any(entry.count == 1 for entry in batch)
+        own_prefills = any(entry.count > 1 for entry in batch)
+        front = [] if own_decodes or not decodes else [_padding(scratch[:1], 1)]
+        back = [] if own_prefills or not prefills else [_padding(scratch[1:], 2)]
+        return [*front, *batch, *back], slice(len(front), len(front) + len(batch))
 
     def prepare(
-        self, batch: Sequence[Scheduled], previous: Launched | None, buckets: Buckets
+        self,
+        batches: Sequence[Sequence[Scheduled]],
+        previous: Launched | None,
+        buckets: Buckets,
     ) -> tuple[StepLayout, np.ndarray, np.ndarray, StepShape]:
-        """Host side of a step: the packed buffer, its layout, each request's logits row
-        and the step's shape. ``previous``: the step whose tokens are still pending."""
+        """Host side of a step: the packed buffer (``[len]``, or ``[dp, len]`` with data
+        parallelism), its layout, each request's row of the sampled tokens (in the order of
+        the batches, concatenated: rank r's rows are offset by ``r * max_rows``) and the
+        step's shape. ``batches``: each DP rank's requests (one batch without DP);
+        ``previous``: the step whose tokens are still pending."""
+        if len(batches) != self.data_parallel:
+            raise ValueError(f"{len(batches)} batches for {self.data_parallel} DP ranks")
+        self.step_count += 1
+        previous_rows = {}
+        if previous is not None:
+            previous_rows = {
+                id(entry.request): row % self.max_rows
+                for entry, row in zip(previous.batch, previous.rows, strict=True)
+                if entry.samples
+            }
+        if self.data_parallel == 1:
+            return self._prepare_rank(batches[0], previous_rows, buckets)
+        common = self._common_buckets(batches, buckets)
+        entries = [entry for batch in batches for entry in batch]
+        decodes = any(entry.count == 1 for entry in entries)
+        prefills = any(entry.count > 1 for entry in entries)
+        layouts, packed, rows, shapes = set(), [], [], set()
+        for rank, batch in enumerate(batches):
+            padded, real = self._padded(batch, decodes=decodes, prefills=prefills)
+            layout, rank_packed, rank_rows, shape = self._prepare_rank(
+                padded, previous_rows, common
+            )
+            layouts.add(layout)
+            shapes.add(shape)
+            packed.append(rank_packed)
+            rows.append(rank_rows[real] + rank * self.max_rows)
+        if len(layouts) != 1:  # the buckets fix every axis: a bug if they differ
+            raise RuntimeError(f"the DP ranks' steps differ in shape: {sorted(shapes)}")
+        return layouts.pop(), np.stack(packed), np.concatenate(rows), shapes.pop()
+
+    def _prepare_rank(
+        self, batch: Sequence[Scheduled], previous_rows: dict[int, int], buckets: Buckets
+    ) -> tuple[StepLayout, np.ndarray, np.ndarray, StepShape]:
+        """One rank's step: its packed buffer, layout, request rows and shape."""
         width = max(len(entry.request.block_ids) for entry in batch)
         block_table = np.zeros((len(batch), width), np.int32)
         context_lens = np.empty(len(batch), np.int32)
@@ -155,13 +261,6 @@ class ModelRunner:
         temperatures = np.empty(len(batch), np.float32)
         ids: list[int] = []
         pending: list[tuple[int, int]] = []  # (token index in the step, previous step's row)
-        previous_rows = {}
-        if previous is not None:
-            previous_rows = {
-                id(entry.request): row
-                for entry, row in zip(previous.batch, previous.rows, strict=True)
-                if entry.samples
-            }
         for i, (req, start, count, _) in enumerate(batch):
             block_table[i, : len(req.block_ids)] = req.block_ids
             context_lens[i], query_lens[i] = start, count
@@ -190,7 +289,6 @@ class ModelRunner:
             source[token_rows[index]] = row
         temperature_rows = np.zeros(md.logits_indices.shape[0], np.float32)
         temperature_rows[rows] = temperatures
-        self.step_count += 1
         leaves, treedef = jax.tree.flatten(md)
         arrays = [
             *leaves,
@@ -204,28 +302,37 @@ class ModelRunner:
         return layout, packed, rows, md.step_shape()
 
     def launch(
-        self, batch: Sequence[Scheduled], previous: Launched | None, buckets: Buckets
+        self,
+        batches: Sequence[Sequence[Scheduled]],
+        previous: Launched | None,
+        buckets: Buckets,
     ) -> Launched:
-        """Builds the step and starts it on the device; returns without waiting for it."""
-        layout, packed, rows, shape = self.prepare(batch, previous, buckets)
+        """Builds the step (``batches``: each DP rank's requests) and starts it on the
+        device; returns without waiting for it."""
+        layout, packed, rows, shape = self.prepare(batches, previous, buckets)
         program = self.programs.get(layout) or self._compile(layout, packed, shape)
         self.tokens, self.cache = program(self.params, self.cache, packed, self.tokens, self.key)
-        return Launched(list(batch), rows, self.tokens, shape)
+        batch = [entry for rank_batch in batches for entry in rank_batch]
+        return Launched(batch, rows, self.tokens, shape)
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()
         shardings = {}
-        if self.mesh is not None:  # parameters as placed; the rest replicated
-            replicated = sharding.replicated(self.mesh)
+        if self.mesh is not None:  # parameters, cache and sampled tokens as placed
+            inputs = (  # the packed buffers: a row per DP rank
+                sharding.by_rank(self.mesh)
+                if self.data_parallel > 1
+                else sharding.replicated(self.mesh)
+            )
             shardings = dict(
                 in_shardings=(
                     [p.sharding for p in self.params],
-                    replicated,
-                    replicated,
-                    replicated,
-                    replicated,
+                    self.cache.sharding,
+                    inputs,
+                    self.tokens.sharding,
+                    sharding.replicated(self.mesh),
                 ),
-                out_shardings=(replicated, replicated),
+                out_shardings=(self.tokens.sharding, self.cache.sharding),
             )
         jitted = jax.jit(lambda *args: self._forward(layout, *args), donate_argnums=1, **shardings)
         lowered = jitted.lower(self.params, self.cache, packed, self.tokens, self.key)
@@ -234,3 +341,16 @@ class ModelRunner:
         self.programs[layout] = program
         self.compiled.append((shape, time.perf_counter() - start, cache_hits() > hits))
         return program
+
+
+def scratch_blocks(block_size: int, data_parallel: int) -> int:
+    """Blocks at the end of each DP rank's cache that no request gets: a rank's padding
+    requests (a decode, a 2-token prompt) write there when another rank's step has a part it
+    lacks. None without data parallelism."""
+    return 0 if data_parallel == 1 else 1 + -(-2 // block_size)
+
+
+def _padding(block_ids: np.ndarray, count: int) -> Scheduled:
+    """A padding request of ``count`` tokens from position 0 in ``block_ids``: a decode (1)
+    or a prompt (2); greedy, its sampled token never read."""
+    return Scheduled(Request([0] * count, 1, block_ids=block_ids), 0, count, False)

@@ -1,7 +1,8 @@
-"""Tensor parallelism across the local devices, on ``jax.sharding``.
+"""Tensor and data parallelism across the local devices, on ``jax.sharding``.
 
-A one-axis ``Mesh`` (axis ``"tp"``) over N devices; every parameter gets a ``NamedSharding``
-from its path (``partition_spec``) and XLA's SPMD partitioner derives the rest of the step:
+Tensor parallelism: a one-axis ``Mesh`` (axis ``"tp"``) over N devices; every parameter gets
+a ``NamedSharding`` from its path (``partition_spec``) and XLA's SPMD partitioner derives the
+rest of the step:
 
 - attention heads split across ranks: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by output
   columns (whole heads, so ``W_UK`` / ``W_UV`` are split by heads), ``o_proj`` by input rows,
@@ -21,6 +22,14 @@ The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps e
 cache, block tables and schedules replicated), the grouped matmul on each rank over its
 experts. Nothing here writes a collective: the only ones are those XLA inserts for the
 shardings above (all-reduces of partial sums, and the gathers of each rank's best logit).
+
+Data parallelism (attention): a ``("dp", "tp")`` mesh of M x N devices. Each DP rank runs
+its own requests over its own part of the cache (the cache split on its block axis, block
+ids local to the rank); the parameters are split on ``"tp"`` as above and replicated over
+``"dp"``. The runner runs the whole step under a ``shard_map`` manual over ``"dp"`` only
+(``"tp"`` left to the partitioner), so the kernels' ``shard_map`` over ``"tp"`` nests in it
+(``_heads_mesh``). Each rank runs the MLP / MoE on its own tokens with the weights it holds:
+no collective crosses ``"dp"``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import kernels
 from .config import ModelConfig
 
 AXIS = "tp"
+DATA_AXIS = "dp"
 
 # Parameter path suffix -> how its own (trailing) axes split; stacked layers' leading layer
 # axis is never split. Paths not listed are replicated.
@@ -58,16 +68,33 @@ _RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
 )
 
 
-def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    tensor_parallel: int, data_parallel: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A ``("tp",)`` mesh over the first ``tensor_parallel`` devices (default: all local
-    devices of the default backend)."""
+    devices of the default backend), or with ``data_parallel > 1`` a ``("dp", "tp")`` mesh
+    over the first ``data_parallel * tensor_parallel`` (a DP rank's TP ranks adjacent)."""
     devices = list(devices if devices is not None else jax.local_devices())
-    if not 1 <= tensor_parallel <= len(devices):
+    if data_parallel == 1:
+        if not 1 <= tensor_parallel <= len(devices):
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} needs that many devices; "
+                f"{len(devices)} are available ({devices[0].platform})"
+            )
+        return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+    needed = data_parallel * tensor_parallel
+    if not 1 <= needed <= len(devices):
         raise ValueError(
-            f"tensor_parallel={tensor_parallel} needs that many devices; "
-            f"{len(devices)} are available ({devices[0].platform})"
+            f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {needed} "
+            f"devices; {len(devices)} are available ({devices[0].platform})"
         )
-    return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+    grid = np.array(devices[:needed]).reshape(data_parallel, tensor_parallel)
+    return Mesh(grid, (DATA_AXIS, AXIS))
+
+
+def data_parallel(mesh: Mesh | None) -> int:
+    """The number of DP ranks of ``mesh`` (1 without a ``"dp"`` axis)."""
+    return 1 if mesh is None else mesh.shape.get(DATA_AXIS, 1)
 
 
 def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
@@ -133,18 +160,36 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def by_rank(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Split on ``axis`` across the DP ranks (each rank's part of the cache, of a step's
+    packed buffers, of its sampled tokens), replicated over ``"tp"``."""
+    return NamedSharding(mesh, P(*(None,) * axis, DATA_AXIS))
+
+
+def _heads_mesh(mesh: Mesh):
+    """The mesh a kernel's ``shard_map`` over ``"tp"`` names: inside the runner's
+    ``shard_map`` over ``"dp"``, the context's (``"dp"`` already manual), else ``mesh``."""
+    context = jax.sharding.get_abstract_mesh()
+    return mesh if context.empty else context
+
+
 def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: int):
     """``function`` under ``shard_map``: its first ``head_args`` arguments (``[T, N, ...]``)
     split by heads (axis 1), the rest of its ``num_args`` replicated; each output split by
     heads."""
     heads = P(None, AXIS)
-    return jax.shard_map(
-        function,
-        mesh=mesh,
-        in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
-        out_specs=(heads,) * num_outputs,
-        check_vma=False,  # Pallas calls carry no replication information
-    )
+
+    def by_heads(*args):
+        return jax.shard_map(
+            function,
+            mesh=_heads_mesh(mesh),
+            in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
+            out_specs=(heads,) * num_outputs,
+            axis_names={AXIS},
+            check_vma=False,  # Pallas calls carry no replication information
+        )(*args)
+
+    return by_heads
 
 
 def _by_experts(grouped_matmul, mesh: Mesh):
@@ -173,19 +218,19 @@ def _by_experts(grouped_matmul, mesh: Mesh):
         )
         return jnp.roll(out, start, axis=0)[None]
 
-    run = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P(), P(None, AXIS), P(), P()),
-        out_specs=P(AXIS),
-        check_vma=False,
-    )
-
     def by_experts(lhs, rhs, group_sizes, *, group_offset=0):
         num_experts = group_sizes.shape[0]
         # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
         stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
         layer = jnp.asarray(group_offset, jnp.int32) // num_experts
+        run = jax.shard_map(
+            local,
+            mesh=_heads_mesh(mesh),
+            in_specs=(P(), P(None, AXIS), P(), P()),
+            out_specs=P(AXIS),
+            axis_names={AXIS},
+            check_vma=False,
+        )
         return run(lhs, stacked, group_sizes, layer).sum(axis=0)
 
     return by_experts

@@ -1,16 +1,15 @@
-"""Across GPUs: the serving benchmark's V2-Lite-shaped model on 1 GPU and tensor parallel on
-2 (4, 8), through ``Engine.generate``.
+"""Across GPUs: the serving benchmark's V2-Lite-shaped model on 1 GPU, tensor parallel, data
+parallel attention and both (``tp2``, ``dp2``, ``dp2xtp2``, ...), through ``Engine.generate``.
 
 Per mode and workload: tokens/s, the decode step's wall time (median interval between step
 launches), its device time on the busiest GPU and the time its GPUs spend in collective
 kernels (NCCL, from a CUPTI trace of a second run of the same steps), the speedup over one
 GPU and the scaling efficiency (speedup / GPUs), and each GPU's bytes of weights and cache.
-Decode rows start from requests whose context is already in the cache, as bench_serve's.
+Decode rows start from requests whose context is already in the cache, as bench_serve's;
+with data parallelism a batch's requests are dealt to the DP ranks in turn (batch 64 at DP 2:
+32 a rank, and each rank's decode ladder holds that size).
 
-    PYTHONPATH=. python3 scripts/bench_multi.py --modes tp1,tp2 --quick --out $OUT
-
-Data-parallel attention (``dpN``) and expert parallelism are not implemented yet; the mode
-list refuses them by name.
+    PYTHONPATH=. python3 scripts/bench_multi.py --modes tp1,tp2,dp2 --quick --out $OUT
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import dataclasses
 import gc
 import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ from flax import nnx
 
 from mla_jax.engine import Engine, Request
 from mla_jax.model import DeepseekModel
+from mla_jax.runner import scratch_blocks
 from mla_jax.tiny import TINY
 
 # Kernels of a collective: NCCL's own, whatever XLA names them.
@@ -54,17 +55,32 @@ COLUMNS = [
 ]
 
 
-def _modes(text: str) -> list[int]:
-    """``tp1,tp2,tp4`` -> tensor-parallel sizes."""
-    sizes = []
+class Mode(NamedTuple):
+    data_parallel: int
+    tensor_parallel: int
+
+    @property
+    def devices(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    @property
+    def label(self) -> str:
+        if self.devices == 1:
+            return "1 GPU"
+        parts = [f"DP {self.data_parallel}"] * (self.data_parallel > 1)
+        return " x ".join(parts + [f"TP {self.tensor_parallel}"] * (self.tensor_parallel > 1))
+
+
+def _modes(text: str) -> list[Mode]:
+    """``tp1,tp2,dp2,dp2xtp2`` -> (data_parallel, tensor_parallel) of each mode."""
+    modes = []
     for mode in text.split(","):
-        match = re.fullmatch(r"tp([1-9][0-9]*)", mode.strip())
+        match = re.fullmatch(r"dp([1-9][0-9]*)(?:xtp([1-9][0-9]*))?|tp([1-9][0-9]*)", mode.strip())
         if match is None:
-            raise argparse.ArgumentTypeError(
-                f"mode {mode!r}: want tpN (data-parallel attention, dpN, is not implemented yet)"
-            )
-        sizes.append(int(match.group(1)))
-    return sizes
+            raise argparse.ArgumentTypeError(f"mode {mode!r}: want tpN, dpM or dpMxtpN")
+        data_parallel, tensor_parallel, tp_only = match.groups()
+        modes.append(Mode(int(data_parallel or 1), int(tensor_parallel or tp_only or 1)))
+    return modes
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -135,21 +151,21 @@ def _prefill(engine: Engine, count: int, length: int, vocab: int) -> dict:
     )
 
 
-def _cells(tp: int, measured: dict, base: dict | None, gb: float) -> list:
+def _cells(mode: Mode, measured: dict, base: dict | None, gb: float) -> list:
     speedup = None if base is None else measured["tokens_per_s"] / base["tokens_per_s"]
 
     def rounded(value, digits=3):
         return "" if value is None else round(value, digits)
 
     return [
-        "1 GPU" if tp == 1 else f"TP {tp}",
+        mode.label,
         measured["workload"],
         round(measured["tokens_per_s"], 1),
         rounded(measured["step_ms"]),
         rounded(measured["device_ms"]),
         rounded(measured["collective_ms"]),
         rounded(speedup, 2),
-        rounded(None if speedup is None else speedup / tp, 2),
+        rounded(None if speedup is None else speedup / mode.devices, 2),
         round(gb, 2),
     ]
 
@@ -158,7 +174,12 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=[*sorted(MODELS), "tiny"], default="v2-lite")
     ap.add_argument("--layers", type=int, help="override the model's depth")
-    ap.add_argument("--modes", type=_modes, default=[1, 2], help="e.g. tp1,tp2,tp4,tp8")
+    ap.add_argument(
+        "--modes",
+        type=_modes,
+        default=[Mode(1, 1), Mode(1, 2)],
+        help="e.g. tp1,tp2,tp4,dp2,dp4,dp2xtp2",
+    )
     ap.add_argument("--batches", default="64,256", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=4096, help="decode context length")
     ap.add_argument("--prefill", type=_shape, help="prompts x length (default 32x4096)")
@@ -191,7 +212,6 @@ def main(argv: list[str] | None = None) -> str:
     blocks_per_request = -(-(args.context + steps + profiled + 1) // args.block_size)
     settings = dict(
         block_size=args.block_size,
-        num_blocks=max(largest * blocks_per_request, -(-prefill[1] // args.block_size) * 8),
         max_num_seqs=largest,
         max_num_batched_tokens=min(8192, 2 * prefill[1]),
         max_model_len=max(args.context, prefill[1]) + steps + profiled + 1,
@@ -205,19 +225,37 @@ def main(argv: list[str] | None = None) -> str:
         "devices": jax.device_count(),
         "settings": settings,
     }
-    measured, path = [], None  # (tp, GB per GPU, measurement)
-    for tp in args.modes:
+    measured, path = [], None  # (mode, GB per GPU, measurement)
+    for mode in args.modes:
         start = time.perf_counter()
-        engine = Engine(model, _engine_config(**settings, tensor_parallel=tp), log=lambda _: None)
+        ranks = mode.data_parallel
+        # Each DP rank's cache holds its share of the decode batch or of the prompts.
+        per_rank = max(
+            -(-largest // ranks) * blocks_per_request,
+            -(-prefill[1] // args.block_size) * -(-8 // ranks),
+        )
+        cfg = _engine_config(
+            **settings,
+            num_blocks=(per_rank + scratch_blocks(args.block_size, ranks)) * ranks,
+            tensor_parallel=mode.tensor_parallel,
+            data_parallel=ranks,
+        )
+        # A rank's decode ladder also holds its share of each batch (no padding to the next).
+        ladder = cfg.fixed_buckets(settings["max_model_len"])
+        shares = {-(-batch // ranks) for batch in batches}
+        ladder = dataclasses.replace(
+            ladder, decode_buckets=tuple(sorted({*ladder.decode_buckets, *shares}))
+        )
+        engine = Engine(model, dataclasses.replace(cfg, buckets=ladder), log=lambda _: None)
         gb = _gb_per_device(engine)
         for batch in batches:
-            measured.append((tp, gb, _decode(engine, batch, args.context, steps, profiled)))
+            measured.append((mode, gb, _decode(engine, batch, args.context, steps, profiled)))
             print(measured[-1], flush=True)
-        measured.append((tp, gb, _prefill(engine, *prefill, model_cfg.vocab_size)))
+        measured.append((mode, gb, _prefill(engine, *prefill, model_cfg.vocab_size)))
         print(measured[-1], flush=True)
         stats = engine.stats.as_dict()
         print(
-            f"TP {tp}: {stats['programs']} programs compiled in {stats['compile_s']:.1f} s, "
+            f"{mode.label}: {stats['programs']} programs compiled in {stats['compile_s']:.1f} s, "
             f"mode done in {time.perf_counter() - start:.1f} s",
             flush=True,
         )
@@ -226,7 +264,7 @@ def main(argv: list[str] | None = None) -> str:
         # Saved after every mode, so that a mode that fails leaves the others' rows.
         path = save(
             f"multi_{args.model}",
-            f"Across GPUs: {args.model}-shaped model, 1 GPU vs tensor parallel",
+            f"Across GPUs: {args.model}-shaped model, 1 GPU vs tensor and data parallel",
             COLUMNS,
             _rows(measured),
             notes,
@@ -237,11 +275,11 @@ def main(argv: list[str] | None = None) -> str:
     return path
 
 
-def _rows(measured: list[tuple[int, float, dict]]) -> list[dict]:
-    one_gpu = {m["workload"]: m for tp, _, m in measured if tp == 1}
+def _rows(measured: list[tuple[Mode, float, dict]]) -> list[dict]:
+    one_gpu = {m["workload"]: m for mode, _, m in measured if mode.devices == 1}
     return [
-        {"cells": _cells(tp, m, one_gpu.get(m["workload"]), gb), "measured": m}
-        for tp, gb, m in measured
+        {"cells": _cells(mode, m, one_gpu.get(m["workload"]), gb), "measured": m}
+        for mode, gb, m in measured
     ]
 
 
@@ -262,6 +300,9 @@ def _notes(model, model_cfg, args, steps: int, profiled: int) -> list[str]:
         "TP N: heads, MLP columns, routed experts and vocabulary split over N GPUs "
         "(mla_jax/sharding.py); the latent cache is replicated, so every GPU holds and reads "
         "all of it.",
+        "DP M: each of M GPUs (groups of N GPUs with x TP N) runs its own requests over its own "
+        "part of the cache, the weights replicated over the DP ranks (each rank runs the MLP "
+        "and experts on its own tokens: no collective across DP ranks).",
         "Collective ms: time each GPU spends in NCCL kernels per step (the all-reduces of "
         "partial sums, two per dense layer and one for the embedding; the sampling's "
         "gathers), waits for the other GPU included. Speedup: tokens/s over the 1-GPU row of "

@@ -112,17 +112,19 @@ def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
 
 def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> None:
     """``batch`` running requests, each with ``context`` tokens already in the cache and
-    ``steps`` decode steps to go, placed straight into the scheduler. Each request's token is
-    random, so that an MoE layer routes the batch's tokens to different experts."""
+    ``steps`` decode steps to go, placed straight into the schedulers (in turn, with data
+    parallelism). Each request's token is random, so that an MoE layer routes the batch's
+    tokens to different experts."""
     rng = np.random.default_rng(batch)
     vocab = engine.model_cfg.vocab_size
-    for _ in range(batch):
+    for i in range(batch):
+        scheduler = engine.schedulers[i % len(engine.schedulers)]
         ids = [1] * context + [int(rng.integers(vocab))]
         req = Request(ids, max_new_tokens=steps, ignore_eos=True)
-        if not engine.scheduler.grow(req, context + steps + 1):
+        if not scheduler.grow(req, context + steps + 1):
             raise RuntimeError("the benchmark's cache is too small")
         req.num_computed = context
-        engine.scheduler.running.append(req)
+        scheduler.running.append(req)
 
 
 def profile(run) -> tuple[dict, int]:

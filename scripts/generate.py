@@ -20,6 +20,7 @@ from mla_jax.cache import CacheFullError
 from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.metadata import MetadataError
+from mla_jax.runner import scratch_blocks
 from mla_jax.tiny import tiny_checkpoint
 from mla_jax.weights import WeightsError, load_model
 
@@ -100,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor parallel: split heads, MLPs, experts and vocabulary over this many devices",
     )
+    ap.add_argument(
+        "--dp",
+        type=_positive_int,
+        default=1,
+        help="data parallel attention: this many ranks (of --tp devices each), each running "
+        "its own requests over its own part of the cache",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
     return ap
@@ -134,7 +142,10 @@ def _engine_config(
     """The engine's settings from the flags; by default a cache that holds every request."""
     if args.num_blocks is None and prompts:
         per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
-        num_blocks = per_request * len(prompts)
+        # Each DP rank holds its share of the requests, and its scratch blocks (runner.py).
+        per_rank = per_request * -(-len(prompts) // args.dp)
+        per_rank += scratch_blocks(args.block_size, args.dp)
+        num_blocks = per_rank * args.dp
     else:  # given, or listing buckets: the engine's default cache
         num_blocks = args.num_blocks or EngineConfig.num_blocks
     try:
@@ -147,6 +158,7 @@ def _engine_config(
             workspace_size=args.workspace_size,
             impl=args.impl,
             tensor_parallel=args.tp,
+            data_parallel=args.dp,
         )
     except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
         ap.error(str(e))
@@ -173,12 +185,14 @@ def main(argv: list[str] | None = None) -> dict:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
     cfg = _engine_config(ap, args, prompts)
     placement = None
-    if args.tp > 1:  # refused before the weights load, which then go straight to their shards
+    if args.tp > 1 or args.dp > 1:  # refused before the weights load, which then go
+        # straight to their shards
+        flags = f"--tp {args.tp}" if args.dp == 1 else f"--dp {args.dp} --tp {args.tp}"
         try:
             sharding.check_divisible(load_config(model_dir), args.tp)
-            placement = sharding.placement(sharding.make_mesh(args.tp))
+            placement = sharding.placement(sharding.make_mesh(args.tp, args.dp))
         except ValueError as e:
-            ap.error(f"--tp {args.tp}: {e}")
+            ap.error(f"{flags}: {e}")
     if not args.no_compilation_cache:
         path = compilation.enable_cache(args.compilation_cache)
         print(f"compilation cache: {path}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Runs tensor-parallel generations on fake CPU devices, for ``test_sharding.py``.
+"""Runs tensor- and data-parallel generations on fake CPU devices, for ``test_sharding.py``.
 
 JAX fixes its device count when it is imported, and pytest has imported it long before a
 test runs, so the tests run this file in a fresh process:
@@ -10,7 +10,11 @@ environment. The job names checkpoints, the ``generate.py`` flags they run with 
 (checkpoint, tensor_parallel, impl) runs; the result holds each run's generated tokens,
 for the ``inspect`` checkpoint at ``inspect_tp`` every parameter's and the cache's placement
 and the collectives of a compiled decode step, and the errors of the Pallas kernels run
-under ``shard_map`` at ``inspect_tp`` (heads or experts split). The test file judges them.
+under ``shard_map`` at ``inspect_tp`` (heads or experts split). The job's ``dp_runs``
+(checkpoint, data_parallel, tensor_parallel, impl) run with ``dp_flags``; for the ``inspect``
+checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result holds the cache's
+placement, each step's requests per DP rank and the collectives with their device groups.
+The test file judges them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from flax import nnx
 
 import kernels
 from mla_jax import sharding
-from mla_jax.engine import Engine, EngineConfig
+from mla_jax.engine import Engine, EngineConfig, Request
 from mla_jax.weights import load_model
 
 # An HLO collective: its result shape, or a tuple of them (XLA combines small all-reduces).
@@ -68,12 +72,7 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
     engine.precompile([[(5, 1)] * 2])  # a decode step (a prefill's collectives are the same)
     runner = engine.runner
     paths = ["/".join(path) for path in sharding.param_paths(nnx.split(model)[1])]
-    collectives = []
-    for program in runner.programs.values():
-        for line in program.as_text().splitlines():
-            if match := _COLLECTIVE.search(line):
-                for shape in _SHAPE.findall(match.group(1)):
-                    collectives.append([match.group(2), shape])
+    collectives = [[op, shape] for op, shape, _ in _collectives(runner.programs.values())]
     # Loaded straight to their shards (as generate.py --tp does): the same placements.
     _, placed = load_model(path, placement=sharding.placement(runner.mesh))
     loaded = jax.tree.leaves(nnx.split(placed)[1])
@@ -82,6 +81,52 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
         "loaded_params": {p: _placement(a) for p, a in zip(paths, loaded, strict=True)},
         "cache": _placement(runner.cache),
         "collectives": collectives,
+    }
+
+
+def _collectives(programs) -> list[list[str]]:
+    """``[op, result shape, replica groups]`` of each collective of compiled ``programs``."""
+    collectives = []
+    for program in programs:
+        for line in program.as_text().splitlines():
+            if match := _COLLECTIVE.search(line):
+                groups = re.search(r"replica_groups=(\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\])", line)
+                for shape in _SHAPE.findall(match.group(1)):
+                    collectives.append([match.group(2), shape, groups and groups.group(1)])
+    return collectives
+
+
+def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: int) -> dict:
+    """A data-parallel run of ``flags``' prompts: each step's ``[decodes, prompt chunks]``
+    per DP rank, the cache's placement and the collectives of the programs."""
+    generate = generate_script()
+    parser = generate._parser()
+    argv = ["--model", path, *flags, "--dp", str(data_parallel), "--tp", str(tp)]
+    args = parser.parse_args(argv)
+    prompts = args.prompt_ids
+    _, model = load_model(path)
+    engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
+    runner = engine.runner
+    per_rank = []
+    launch = runner.launch
+
+    def recording_launch(batches, previous, buckets):
+        per_rank.append(
+            [
+                [sum(e.count == 1 for e in batch), sum(e.count > 1 for e in batch)]
+                for batch in batches
+            ]
+        )
+        return launch(batches, previous, buckets)
+
+    runner.launch = recording_launch
+    requests = [Request(p, args.max_new_tokens) for p in prompts]
+    engine.generate(requests)
+    return {
+        "dp_tokens": [req.output_ids for req in requests],
+        "dp_requests_per_rank": per_rank,
+        "dp_cache": _placement(runner.cache),
+        "dp_collectives": _collectives(runner.programs.values()),
     }
 
 
@@ -144,8 +189,22 @@ def main(job_path: str, result_path: str) -> None:
         )
         key = f"{name}/{tensor_parallel}/{impl}"
         tokens[key] = [output["generated_ids"] for output in result["outputs"]]
+    for name, data_parallel, tensor_parallel, impl in job["dp_runs"]:
+        argv = ["--model", job["checkpoints"][name], *job["dp_flags"], "--impl", impl]
+        start = time.perf_counter()
+        result = generate.main([*argv, "--dp", str(data_parallel), "--tp", str(tensor_parallel)])
+        key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+        print(f"{key}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        tokens[key] = [output["generated_ids"] for output in result["outputs"]]
     inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
     errors = _kernel_errors(job["inspect_tp"], job["seed"])
+    inspected.update(
+        _inspect_data_parallel(
+            job["checkpoints"][job["inspect"]],
+            [*job["dp_flags"], "--impl", "reference"],
+            *job["dp_inspect"],
+        )
+    )
     with open(result_path, "w") as f:
         json.dump(
             {"devices": jax.device_count(), "tokens": tokens, "kernel_errors": errors, **inspected},

@@ -47,7 +47,17 @@ def test_device_and_collective_time_per_step():
 
 
 def test_modes():
-    assert bench_multi._modes("tp1,tp2, tp8") == [1, 2, 8]
-    for bad in ("dp2", "tp0", "tp2,dp2xtp2", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="want tpN"):
+    modes = bench_multi._modes("tp1,tp2, tp8,dp2,dp4,dp2xtp2")
+    assert [(m.data_parallel, m.tensor_parallel) for m in modes] == [
+        (1, 1),
+        (1, 2),
+        (1, 8),
+        (2, 1),
+        (4, 1),
+        (2, 2),
+    ]
+    assert [m.label for m in modes] == ["1 GPU", "TP 2", "TP 8", "DP 2", "DP 4", "DP 2 x TP 2"]
+    assert [m.devices for m in modes] == [1, 2, 8, 2, 4, 4]
+    for bad in ("dp0", "tp0", "dp2tp2", "tp2xdp2", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="want tpN, dpM or dpMxtpN"):
             bench_multi._modes(bad)

@@ -1,4 +1,5 @@
-"""Tensor parallelism (``mla_jax/sharding.py``, ``generate.py --tp``) on 4 fake CPU devices.
+"""Tensor and data parallelism (``mla_jax/sharding.py``, ``generate.py --tp/--dp``) on 4 fake
+CPU devices.
 
 The device count is fixed when JAX is imported, so the multi-device runs happen in a fresh
 process (``multi_device.py``, with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``):
@@ -6,7 +7,9 @@ greedy float32 tokens at TP 2 and 4 on transformers test checkpoints (8 heads wi
 4 heads, no q LoRA, a run of two MoE layers with their experts split by expert), chunked
 prefill included, against transformers' greedy generate; at TP 4, where every parameter and
 the cache live and which collectives a compiled step runs; the Pallas kernels under
-shard_map. Refusals run here, on this process's one device.
+shard_map. Data parallelism: greedy tokens at DP 2 and DP 2 x TP 2 on three prompts of
+different lengths (ranks idle or lacking a part in some steps), the cache split over the DP
+ranks, collectives only within a DP rank. Refusals run here, on this process's one device.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ FLAGS += ["--max-num-seqs", "4"]
 # shard_map on their own (interpreting them through whole models would take minutes).
 RUNS = [["v3", 2, "reference"], ["v3", 4, "reference"], ["v2-moe", 4, "reference"]]
 INSPECT, INSPECT_TP = "v2-moe", 4  # a dense layer and a MoE layer
+# Data parallelism: three prompts over two ranks (13 and 9 on rank 0, 5 on rank 1): rank 1
+# prefills in one step while rank 0 takes three, and finishes first (then it is idle).
+DP_PROMPT_LENGTHS = (13, 5, 9)
+DP_RUNS = [["v3", 2, 1, "reference"], ["v3", 2, 2, "reference"]]
+DP_INSPECT = [2, 2]  # data_parallel, tensor_parallel of the inspected (INSPECT) run
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +55,34 @@ def multi_device(tmp_path_factory):
 
     rng = np.random.default_rng([_BASE_SEED, 12])
     prompts = [rng.integers(0, 96, n).tolist() for n in PROMPT_LENGTHS]
-    flags = list(FLAGS)
+    dp_prompts = [rng.integers(0, 96, n).tolist() for n in DP_PROMPT_LENGTHS]
+    flags, dp_flags = list(FLAGS), list(FLAGS)
     for prompt in prompts:
         flags += ["--prompt-ids", ",".join(map(str, prompt))]
+    for prompt in dp_prompts:
+        dp_flags += ["--prompt-ids", ",".join(map(str, prompt))]
     root = tmp_path_factory.mktemp("tp")
-    checkpoints, expected = {}, {}
+    checkpoints, expected, dp_expected = {}, {}, {}
     for name in sorted({run[0] for run in RUNS}):
         path = root / name
         hf = write_checkpoint(name, path, int(rng.integers(2**31)))
         checkpoints[name] = str(path)
         with torch.no_grad():
-            expected[name] = [
-                hf.generate(
-                    torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None
-                )[0, len(p) :].tolist()
-                for p in prompts
-            ]
+            expected[name], dp_expected[name] = (
+                [
+                    hf.generate(
+                        torch.tensor([p]),
+                        max_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                        eos_token_id=None,
+                    )[0, len(p) :].tolist()
+                    for p in some
+                ]
+                for some in (prompts, dp_prompts)
+            )
     job = dict(checkpoints=checkpoints, flags=flags, runs=RUNS, inspect=INSPECT)
     job.update(inspect_tp=INSPECT_TP, seed=int(rng.integers(2**31)))
+    job.update(dp_flags=dp_flags, dp_runs=DP_RUNS, dp_inspect=DP_INSPECT)
     (root / "job.json").write_text(json.dumps(job))
     tests = os.path.dirname(__file__)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -80,7 +98,7 @@ def multi_device(tmp_path_factory):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((root / "out").read_text()), expected
+    return json.loads((root / "out").read_text()), {**expected, "dp": dp_expected}
 
 
 @pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in RUNS])
@@ -191,3 +209,61 @@ def test_tensor_parallel_beyond_the_devices_is_refused(capsys):
     assert f"--tp {tp}: tensor_parallel={tp} needs that many devices" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tensor_parallel must be positive, got 0"):
         EngineConfig(tensor_parallel=0)
+
+
+@pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in DP_RUNS])
+def test_data_parallel_greedy_tokens_match_transformers(multi_device, run):
+    result, expected = multi_device
+    name, data_parallel, tensor_parallel, impl = run.split("/")
+    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+    assert result["tokens"][key] == expected["dp"][name]
+
+
+def test_data_parallel_ranks_run_their_own_requests_on_their_own_cache(multi_device):
+    """The inspected run (MoE checkpoint, DP 2 x TP 2): its tokens; steps where one rank
+    prefills while the other decodes, and where one rank has no request; the cache split in
+    halves over the DP ranks (each half on both TP devices of its rank); every collective
+    within a DP rank's TP pair (devices {0, 1} and {2, 3}): none crosses DP ranks."""
+    result, expected = multi_device
+    assert result["dp_tokens"] == expected["dp"][INSPECT]
+    per_rank = result["dp_requests_per_rank"]
+    assert any([0, 0] in ranks for ranks in per_rank), per_rank  # a rank without requests
+    # A rank with decodes and no prompt chunk while the other has one (padding on each).
+    assert any(
+        any(decodes and not chunks for decodes, chunks in ranks)
+        and any(chunks for _, chunks in ranks)
+        for ranks in per_rank
+    ), per_rank
+    cache = result["dp_cache"]
+    data_parallel, tensor_parallel = DP_INSPECT
+    assert cache["spec"] == [None, "dp"]
+    assert cache["devices"] == data_parallel * tensor_parallel
+    assert cache["device_bytes"] == [cache["nbytes"] // data_parallel] * DEVICES
+    groups = {groups for _, _, groups in result["dp_collectives"]}
+    assert result["dp_collectives"] and groups <= {"{{0,1},{2,3}}", "[2,2]<=[4]"}, groups
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dp", "2"], "--dp 2 --tp 1: data_parallel=2 x tensor_parallel=1 needs 2 devices; 1"),
+        (
+            ["--dp", "2", "--num-blocks", "5"],
+            "num_blocks (5) does not divide among data_parallel=2 ranks",
+        ),
+        (
+            ["--dp", "2", "--num-blocks", "4"],
+            "num_blocks (4) leaves no block to each of data_parallel=2 ranks after its 2 "
+            "scratch blocks",
+        ),
+    ],
+)
+def test_bad_data_parallel_is_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_script().main(
+            ["--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", *flags]
+        )
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(ValueError, match="data_parallel must be positive, got 0"):
+        EngineConfig(data_parallel=0)
