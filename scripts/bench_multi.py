@@ -138,6 +138,27 @@ def _decode(engine: Engine, batch: int, context: int, steps: int, profiled: int)
     )
 
 
+# Device memory kept free beside weights and cache: activations, workspace, compiled programs.
+_HEADROOM = 12e9
+
+
+def _device_bytes() -> float:
+    """Memory of one device (unbounded where the backend does not say, e.g. a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return float(stats.get("bytes_limit", np.inf))
+
+
+def _does_not_fit(batch: int, context: int, cache_gb: float) -> dict:
+    return dict(
+        workload=f"decode {batch} x {context}",
+        tokens_per_s=None,
+        step_ms=None,
+        device_ms=None,
+        collective_ms=None,
+        does_not_fit=f"cache needs {cache_gb:.0f} GB per GPU",
+    )
+
+
 def _prefill(engine: Engine, count: int, length: int, vocab: int) -> dict:
     rng = np.random.default_rng(0)
     requests = [Request(rng.integers(0, vocab, length).tolist(), 1) for _ in range(count)]
@@ -151,12 +172,17 @@ def _prefill(engine: Engine, count: int, length: int, vocab: int) -> dict:
     )
 
 
-def _cells(mode: Mode, measured: dict, base: dict | None, gb: float) -> list:
-    speedup = None if base is None else measured["tokens_per_s"] / base["tokens_per_s"]
+def _cells(mode: Mode, measured: dict, base: dict | None, gb: float | None) -> list:
+    speedup = None
+    if base is not None and None not in (base["tokens_per_s"], measured["tokens_per_s"]):
+        speedup = measured["tokens_per_s"] / base["tokens_per_s"]
 
     def rounded(value, digits=3):
         return "" if value is None else round(value, digits)
 
+    if "does_not_fit" in measured:
+        cells = [mode.label, measured["workload"], f"does not fit: {measured['does_not_fit']}"]
+        return cells + [""] * (len(COLUMNS) - len(cells))
     return [
         mode.label,
         measured["workload"],
@@ -166,7 +192,7 @@ def _cells(mode: Mode, measured: dict, base: dict | None, gb: float) -> list:
         rounded(measured["collective_ms"]),
         rounded(speedup, 2),
         rounded(None if speedup is None else speedup / mode.devices, 2),
-        round(gb, 2),
+        rounded(gb, 2),
     ]
 
 
@@ -226,12 +252,22 @@ def main(argv: list[str] | None = None) -> str:
         "settings": settings,
     }
     measured, path = [], None  # (mode, GB per GPU, measurement)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    row_bytes = model_cfg.num_layers * args.block_size * model_cfg.mla.cache_width * 2
     for mode in args.modes:
         start = time.perf_counter()
         ranks = mode.data_parallel
+        # A batch whose cache share does not fit a GPU beside its weights gets a row saying so
+        # (a replicated cache under TP does not shrink with more GPUs; a DP rank's does).
+        room = _device_bytes() - weight_bytes / mode.tensor_parallel - _HEADROOM
+        fits = [b for b in batches if -(-b // ranks) * blocks_per_request * row_bytes <= room]
+        for batch in sorted(set(batches) - set(fits)):
+            need = -(-batch // ranks) * blocks_per_request * row_bytes / 1e9
+            measured.append((mode, None, _does_not_fit(batch, args.context, need)))
+            print(measured[-1], flush=True)
         # Each DP rank's cache holds its share of the decode batch or of the prompts.
         per_rank = max(
-            -(-largest // ranks) * blocks_per_request,
+            -(-max(fits, default=1) // ranks) * blocks_per_request,
             -(-prefill[1] // args.block_size) * -(-8 // ranks),
         )
         cfg = _engine_config(
@@ -248,7 +284,7 @@ def main(argv: list[str] | None = None) -> str:
         )
         engine = Engine(model, dataclasses.replace(cfg, buckets=ladder), log=lambda _: None)
         gb = _gb_per_device(engine)
-        for batch in batches:
+        for batch in fits:
             measured.append((mode, gb, _decode(engine, batch, args.context, steps, profiled)))
             print(measured[-1], flush=True)
         measured.append((mode, gb, _prefill(engine, *prefill, model_cfg.vocab_size)))
