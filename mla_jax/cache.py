@@ -1,4 +1,7 @@
-"""Paged latent KV cache: one ``[num_blocks, block_size, Lkv + R]`` array per layer.
+"""Paged latent KV cache: one ``[num_blocks, block_size, Lkv + R]`` array per layer, or with
+``kv_cache_dtype="fp8"`` one ``kernels.fp8.Fp8Cache`` per layer (FlashMLA's layout: kv_c in
+float8_e4m3fn with a power-of-two float32 scale per 128 values, k_pe in bf16; 656 bytes a
+token at DeepSeek's dims instead of 1152).
 
 A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request lives in block
 ``block_table[pos // block_size]`` at offset ``pos % block_size``, i.e. at the flat slot
@@ -11,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import fp8
+
 # Slot of padded tokens: out of range for any cache, so their writes are dropped.
 PAD_SLOT = np.iinfo(np.int32).max
 
@@ -19,27 +24,91 @@ class CacheFullError(RuntimeError):
     """The block allocator has fewer free blocks than a request needs."""
 
 
+# The cache dtypes the kernels take: the model's dtype ("auto"), an explicit float one, or
+# the scaled FP8 layout. Anything else (float16, int8, a bare float8_* without scales) is
+# refused rather than cast silently.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8")
+
+
+def cache_dtype(name: str, model_dtype) -> jnp.dtype | str:
+    """The cache dtype ``name`` stands for with a model of ``model_dtype``: a float dtype,
+    or ``"fp8"``. Raises ``ValueError`` naming the value and the accepted ones."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported kv cache dtype {name!r}: accepted are {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if name == "fp8":
+        return name
+    dtype = jnp.dtype(model_dtype if name == "auto" else name)
+    if dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(
+            f"unsupported kv cache dtype {name!r} (the model's {dtype}): accepted are "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
+    return dtype
+
+
 def init_cache(
-    num_layers: int, num_blocks: int, block_size: int, width: int, dtype=jnp.bfloat16
-) -> tuple[jax.Array, ...]:
-    """One zeroed ``[num_blocks, block_size, width]`` cache per layer."""
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    width: int,
+    dtype=jnp.bfloat16,
+    *,
+    kv_lora_rank: int | None = None,
+) -> tuple[jax.Array | fp8.Fp8Cache, ...]:
+    """One zeroed cache per layer: ``[num_blocks, block_size, width]`` of ``dtype``
+    (bfloat16 or float32), or for ``dtype="fp8"`` an ``Fp8Cache`` of ``kv_lora_rank`` latent
+    columns (width - kv_lora_rank rope columns)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
-    return tuple(jnp.zeros((num_blocks, block_size, width), dtype) for _ in range(num_layers))
+    slots = (num_blocks, block_size)
+    if isinstance(dtype, str) and dtype == "fp8":
+        if kv_lora_rank is None or not 0 < kv_lora_rank < width:
+            raise ValueError(f"an fp8 cache needs 0 < kv_lora_rank < {width}, got {kv_lora_rank}")
+        return tuple(
+            fp8.Fp8Cache(
+                jnp.zeros((*slots, kv_lora_rank), fp8.FP8),
+                jnp.zeros((*slots, width - kv_lora_rank), fp8.ROPE_DTYPE),
+                jnp.ones((*slots, fp8.num_groups(kv_lora_rank)), jnp.float32),
+            )
+            for _ in range(num_layers)
+        )
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(
+            f"unsupported cache dtype {jnp.dtype(dtype).name}: accepted are bfloat16, float32 "
+            "and 'fp8' (scaled)"
+        )
+    return tuple(jnp.zeros((*slots, width), dtype) for _ in range(num_layers))
 
 
 def write_cache(
-    cache: jax.Array, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array
-) -> jax.Array:
-    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``.
+    cache: jax.Array | fp8.Fp8Cache, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array
+) -> jax.Array | fp8.Fp8Cache:
+    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``;
+    an ``Fp8Cache`` gets kv_c quantized (``fp8.quantize``, a scale per group of each token:
+    no calibration) and k_pe in its bf16.
 
     Tokens whose slot is out of range (``PAD_SLOT``) are dropped. Donate ``cache`` to the
     enclosing jit so that XLA updates it in place.
     """
-    num_blocks, block_size, width = cache.shape
+    if isinstance(cache, fp8.Fp8Cache):
+        values, scales = fp8.quantize(kv_c)
+        return fp8.Fp8Cache(
+            _scatter(cache.kv_c, values, slot_mapping),
+            _scatter(cache.k_pe, k_pe, slot_mapping),
+            _scatter(cache.scales, scales, slot_mapping),
+        )
     rows = jnp.concatenate([kv_c, k_pe], axis=-1).astype(cache.dtype)
-    flat = cache.reshape(num_blocks * block_size, width)
-    flat = flat.at[slot_mapping].set(rows, mode="drop")
+    return _scatter(cache, rows, slot_mapping)
+
+
+def _scatter(part: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """``part [num_blocks, block_size, C]`` with ``rows [T, C]`` at the flat slots (out of
+    range: dropped)."""
+    num_blocks, block_size, width = part.shape
+    flat = part.reshape(num_blocks * block_size, width)
+    flat = flat.at[slot_mapping].set(rows.astype(part.dtype), mode="drop")
     return flat.reshape(num_blocks, block_size, width)
 
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 import kernels
 
-from .cache import BlockAllocator, CacheFullError, init_cache
+from .cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
 from .compilation import cache_hits
 from .config import ModelConfig
 from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
@@ -49,7 +49,7 @@ class EngineConfig:
     max_num_prefills: int | None = None  # prompt chunks per step (default: up to 4)
     max_model_len: int | None = None  # longest sequence admitted (default: model_len())
     workspace_size: int = 8192  # cached-context rows gathered per chunk
-    cache_dtype: str | None = None  # default: the model's dtype
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), bfloat16, float32 or fp8
     buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
     impl: str = "auto"  # kernels.select
 
@@ -62,6 +62,7 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        cache_dtype(self.kv_cache_dtype, jnp.float32)  # refuses names the kernels don't take
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
@@ -180,13 +181,13 @@ class Engine:
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
-        dtype = cfg.cache_dtype or model.embed_tokens.embedding[...].dtype
         self.caches = init_cache(
             self.model_cfg.num_layers,
             cfg.num_blocks,
             cfg.block_size,
             self.model_cfg.mla.cache_width,
-            dtype,
+            cache_dtype(cfg.kv_cache_dtype, model.embed_tokens.embedding[...].dtype),
+            kv_lora_rank=self.model_cfg.mla.kv_lora_rank,
         )
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.max_model_len = cfg.model_len(self.model_cfg.max_position_embeddings)
