@@ -410,8 +410,6 @@ def _check(q_lat, q_pe, kv_cache, block_table, seq_lens, block_h):
         )
     if q_lat.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"dtype {q_lat.dtype} is not supported (bfloat16 or float32)")
-    if isinstance(kv_cache, fp8.Fp8Cache) and q_lat.dtype != jnp.bfloat16:
-        raise ValueError(f"an Fp8Cache is read with bfloat16 queries, got {q_lat.dtype}")
 
 
 def _check_values(kv_cache, block_table, seq_lens):
@@ -452,9 +450,10 @@ def mla_decode(
       q_lat: ``[B, N, Lkv]`` queries in the latent space (any N, Lkv >= 1).
       q_pe: ``[B, N, R]`` rotated rope queries.
       kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)`` in q's
-        dtype, or an ``fp8.Fp8Cache`` (bf16 queries): its latent tiles are loaded as
-        float8_e4m3fn and converted in registers, and each group's power-of-two scales
-        multiply the scores and the probabilities (no rounding beyond the bf16 cache's).
+        dtype, or an ``fp8.Fp8Cache`` (queries in its k_pe dtype, bf16): its latent tiles
+        are loaded as float8_e4m3fn and converted in registers, and each group's
+        power-of-two scales multiply the scores and the probabilities (no rounding beyond
+        the bf16 cache's).
       block_table: ``[B, W]`` int32; ``W * block_size`` must cover every ``seq_lens``. Only
         the first ``cdiv(seq_lens[b], block_size)`` entries of row b are read; the rest may
         hold anything (-1, a stale id), and cache rows past ``seq_lens[b]`` are never read.
