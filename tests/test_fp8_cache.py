@@ -151,6 +151,22 @@ def test_fp8_deepseek_dims(rng, impl):
     _check(got, args, dequantized, 0.07)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16, 128])
+def test_fp8_deepseek_scale_compiled(rng, n):
+    """test_decode_kernel's ragged batch of 64 requests up to 4096 tokens, over the FP8
+    cache, on the scheduler's real program count: GPU only."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:3] = [4096, 1, 64]
+    args, dequantized = _fp8_case(rng, lens, n=n, lkv=512, r=64, block_size=64)
+    config = decode.default_config(n, 64)
+    schedule = decode.plan(
+        args[-1], num_programs=decode.num_programs(config, n), block_k=config.block_k
+    )
+    got = _run(args, impl="pallas", scale=0.07, config=config, schedule=schedule)
+    _check(got, args, dequantized, 0.07)
+
+
 def test_fp8_bad_inputs(rng):
     (q_lat, q_pe, cache, table, lens), _ = _fp8_case(rng, [20, 40])
     kw = dict(block_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), scale=1.0)
