@@ -14,6 +14,12 @@ Any head count and widths run: heads are padded to a multiple of 16 (a dot's row
 queries, ``Lkv`` and ``R`` to power-of-two tiles whose extra cache columns are masked (never
 read). DeepSeek's 512 + 64 and its head counts need no padding. A program reads only cache
 rows ``[0, seq_len)`` of its request, through the block-table entries those rows need.
+
+Over an FP8 cache (``fp8.Fp8Cache``) the latent is loaded as one float8_e4m3fn tile per scale
+group of 128 columns, converted to the queries' bf16 in registers (exact); each group's
+score is multiplied by its keys' scales, and the probabilities by the same scales before they
+meet that group's values, so one code path serves both caches (a bf16 cache is one unscaled
+group).
 """
 
 from __future__ import annotations
@@ -184,7 +190,16 @@ def _latent_groups(num_lat: int, quantized: bool) -> tuple[_Group, ...]:
     )
 
 
-def _load_keys(cache_refs, rows, groups, *, num_lat, rope, rope_tile, dtype):
+def _load_keys(
+    cache_refs: tuple,
+    rows: jax.Array,
+    groups: tuple[_Group, ...],
+    *,
+    num_lat: int,
+    rope: int,
+    rope_tile: int,
+    dtype: jnp.dtype,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array | None, ...], jax.Array]:
     """The keys of cache ``rows``: per latent group a ``[len(rows), tile]`` tile in ``dtype``
     and its ``[len(rows)]`` float32 scales (None for an unscaled cache), and the
     ``[len(rows), rope_tile]`` k_pe tile. ``cache_refs``: ``(kv,)`` rows ``concat(kv_c,
