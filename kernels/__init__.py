@@ -1,6 +1,6 @@
-"""MLA attention kernels: Pallas (Triton lowering on GPU, interpret mode elsewhere) and their
-pure-jnp references, behind one selector, plus the host-side plan the Pallas kernels'
-schedules are built with."""
+"""MLA attention kernels and the MoE grouped matmul: Pallas (Triton lowering on GPU, interpret
+mode elsewhere) and their pure-jnp references, behind one selector, plus the host-side plan
+the Pallas kernels' schedules are built with."""
 
 from __future__ import annotations
 
@@ -10,17 +10,28 @@ from typing import NamedTuple
 
 import jax
 
-from . import decode, merge, prefill, reference
+from . import decode, grouped_matmul, merge, prefill, reference
 
 
 class KernelSet(NamedTuple):
     mla_decode: Callable
     flash_prefill: Callable
     merge_attn_states: Callable
+    grouped_matmul: Callable
 
 
-REFERENCE = KernelSet(reference.mla_decode, reference.flash_prefill, reference.merge_attn_states)
-PALLAS = KernelSet(decode.mla_decode, prefill.flash_prefill, merge.merge_attn_states)
+REFERENCE = KernelSet(
+    reference.mla_decode,
+    reference.flash_prefill,
+    reference.merge_attn_states,
+    reference.grouped_matmul,
+)
+PALLAS = KernelSet(
+    decode.mla_decode,
+    prefill.flash_prefill,
+    merge.merge_attn_states,
+    grouped_matmul.grouped_matmul,
+)
 
 
 def select(impl: str = "auto") -> KernelSet:

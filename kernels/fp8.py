@@ -8,13 +8,14 @@ parts live in three arrays of one ``Fp8Cache`` (Pallas loads typed tiles; a pack
 would need bitcasts the Triton lowering does not do); every array is indexed by the same
 ``[num_blocks, block_size]`` slots, so block tables and slot mappings are unchanged.
 
-Scales are powers of two: ``2^ceil(log2(amax / 448))`` of the token's group, so the group's
-largest value lands in (224, 448] and nothing saturates. A power of two makes dequantization
-exact in bfloat16 (``fp8 x 2^k`` has e4m3's 3 mantissa bits) and lets the decode kernel
-apply the scale to scores and probabilities instead of to every cache value, with no rounding
-beyond the bf16 path's. Rounding to e4m3 costs at most 2^-4 of a value (half a unit in the
-last of 3 mantissa bits) while ``|value| / scale >= 2^-6`` (e4m3's smallest normal), and at
-most ``2^-10 x scale`` (half its subnormal spacing, 2^-9) below that.
+Scales are powers of two: the smallest one above ``amax / 448`` of the token's group, so the
+group's largest value lands in [224, 448) and nothing saturates. A power of two makes
+dequantization exact in bfloat16 (``fp8 x 2^k`` has e4m3's 3 mantissa bits) and lets the
+decode kernel apply the scale to scores and probabilities instead of to every cache value,
+with no rounding beyond the bf16 path's. Rounding to e4m3 costs at most 2^-4 of a value
+(half a unit in the last of 3 mantissa bits) while ``|value| / scale >= 2^-6`` (e4m3's
+smallest normal), and at most ``2^-10 x scale`` (half its subnormal spacing, 2^-9) below
+that.
 
 ``k_pe`` stays bf16: it is not normalized (its range follows the weights and the rotation),
 and it is an eighth of the bytes.
@@ -34,12 +35,13 @@ ROPE_DTYPE = jnp.bfloat16
 
 
 class Fp8Cache(NamedTuple):
-    """One layer's FP8 latent cache (a pytree: jit, donation and ``tree.map`` see three
-    arrays).
+    """An FP8 latent cache (a pytree: jit, scan, donation and ``tree.map`` see three arrays
+    that share their leading axes ``[..., num_blocks, block_size]``; the engine's has a layer
+    axis in front, a kernel takes one ``[num_blocks, block_size]``).
 
-    kv_c: ``[num_blocks, block_size, Lkv]`` float8_e4m3fn, the latent divided by its scale.
-    k_pe: ``[num_blocks, block_size, R]`` bfloat16.
-    scales: ``[num_blocks, block_size, cdiv(Lkv, GROUP)]`` float32 powers of two.
+    kv_c: ``[..., Lkv]`` float8_e4m3fn, the latent divided by its scale.
+    k_pe: ``[..., R]`` bfloat16.
+    scales: ``[..., cdiv(Lkv, GROUP)]`` float32 powers of two.
     """
 
     kv_c: jax.Array
@@ -47,10 +49,13 @@ class Fp8Cache(NamedTuple):
     scales: jax.Array
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """``[num_blocks, block_size, Lkv + R]``: the shape of the bf16 cache it stands for."""
-        num_blocks, block_size, lkv = self.kv_c.shape
-        return num_blocks, block_size, lkv + self.k_pe.shape[-1]
+    def shape(self) -> tuple[int, ...]:
+        """``[..., Lkv + R]``: the shape of the bf16 cache it stands for."""
+        return (*self.kv_c.shape[:-1], self.kv_c.shape[-1] + self.k_pe.shape[-1])
+
+    @property
+    def ndim(self) -> int:
+        return self.kv_c.ndim
 
     @property
     def dtype(self):

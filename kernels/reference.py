@@ -166,3 +166,31 @@ def merge_attn_states(
     out = prefix_out.astype(jnp.float32) * (wp * inv)[..., None]
     out += suffix_out.astype(jnp.float32) * (ws * inv)[..., None]
     return out.astype(prefix_out.dtype), m + jnp.log(denom)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    schedule=None,
+    config=None,
+) -> jax.Array:
+    """Grouped matmul over rows sorted by group (``jax.lax.ragged_dot``; fine on CPUs, but on
+    GPUs it lowers to a dense matmul over every group, so the Pallas kernel runs there).
+
+    Args:
+      lhs: ``[M, K]`` rows sorted by group; rhs: ``[G, K, N]``, lhs's dtype.
+      group_sizes: ``[G]`` int32 rows per group, summing to at most M.
+      schedule, config: the Pallas kernel's tile plan and launch parameters; ignored here.
+
+    Returns:
+      ``out [M, N]`` in lhs's dtype: ``lhs[r] @ rhs[g]`` for the rows r of group g, 0 for the
+      rows after the last group.
+    """
+    del schedule, config
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    out = jax.lax.ragged_dot(
+        lhs, rhs, group_sizes, precision=precision, preferred_element_type=jnp.float32
+    )
+    return out.astype(lhs.dtype)

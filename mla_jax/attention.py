@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
+from kernels.fp8 import Fp8Cache
 
 from .cache import write_cache
 from .config import MLAConfig
@@ -64,21 +65,26 @@ class MLAAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cache: jax.Array,
+        cache: jax.Array | Fp8Cache,
         metadata: AttentionMetadata,
         *,
+        layer: int | jax.Array | None = None,
         impl: str = "auto",
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """One step.
 
         Args:
           x: ``[T, H]`` hidden states, laid out as ``metadata`` says.
-          cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache.
+          cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache, or with
+            ``layer``, every layer's ``[L, num_blocks, block_size, Lkv + R]``; or an
+            ``Fp8Cache`` of the same leading axes (written quantized, read dequantized).
           metadata: the step's metadata (device arrays).
+          layer: this layer's index into a stacked ``cache`` (may be traced, as in a scan
+            over layers); the block ids of ``metadata`` are those of one layer.
           impl: kernels to use (``kernels.select``).
 
         Returns:
-          ``[T, H]`` attention output (x's dtype) and the updated cache.
+          ``[T, H]`` attention output (x's dtype) and the updated cache (its shape).
         """
         c = self.cfg
         t = x.shape[0]
@@ -95,7 +101,8 @@ class MLAAttention(nnx.Module):
         cos, sin = rope_cos_sin(c.rope, c.qk_rope_head_dim, metadata.positions)
         q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope.interleaved)
-        cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping)
+        cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping, layer=layer)
+        layers = LayerView(cache, layer)
 
         kernel_set = kernels.select(impl)
         num_decodes = metadata.num_decode_tokens
@@ -103,7 +110,7 @@ class MLAAttention(nnx.Module):
         if metadata.decode is not None:
             outs.append(
                 self._decode(
-                    kernel_set, q_nope[:num_decodes], q_pe[:num_decodes], cache, metadata.decode
+                    kernel_set, q_nope[:num_decodes], q_pe[:num_decodes], layers, metadata.decode
                 )
             )
         if metadata.prefill is not None:
@@ -114,7 +121,7 @@ class MLAAttention(nnx.Module):
                     q,
                     kv_c[num_decodes:],
                     k_pe[num_decodes:],
-                    cache,
+                    layers,
                     metadata.prefill,
                 )
             )
@@ -126,7 +133,7 @@ class MLAAttention(nnx.Module):
         kernel_set: kernels.KernelSet,
         q_nope: jax.Array,
         q_pe: jax.Array,
-        cache: jax.Array,
+        layers: LayerView,
         metadata: DecodeMetadata,
     ) -> jax.Array:
         """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
@@ -137,11 +144,12 @@ class MLAAttention(nnx.Module):
             preferred_element_type=jnp.float32,
             precision=matmul_precision(q_nope.dtype),
         )
+        cache = layers.blocks
         o_lat, _ = kernel_set.mla_decode(
             q_lat.astype(cache.dtype),
             q_pe.astype(cache.dtype),
             cache,
-            metadata.block_table,
+            layers.block_ids(metadata.block_table),
             metadata.seq_lens,
             scale=self.cfg.softmax_scale,
             schedule=metadata.schedule,
@@ -168,7 +176,7 @@ class MLAAttention(nnx.Module):
         q: jax.Array,
         kv_c: jax.Array,
         k_pe: jax.Array,
-        cache: jax.Array,
+        layers: LayerView,
         metadata: PrefillMetadata,
     ) -> jax.Array:
         """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
@@ -185,7 +193,7 @@ class MLAAttention(nnx.Module):
         )
         if metadata.chunks is None:
             return out
-        context_out, context_lse = self._context(kernel_set, q, cache, metadata)
+        context_out, context_lse = self._context(kernel_set, q, layers, metadata)
         out, _ = kernel_set.merge_attn_states(context_out, context_lse, out, lse)
         return out.astype(q.dtype)
 
@@ -193,7 +201,7 @@ class MLAAttention(nnx.Module):
         self,
         kernel_set: kernels.KernelSet,
         q: jax.Array,
-        cache: jax.Array,
+        layers: LayerView,
         metadata: PrefillMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         """Attention of the prefill queries over their cached context, one workspace-sized
@@ -201,11 +209,12 @@ class MLAAttention(nnx.Module):
         running result is float32, so that many chunks add no bf16 rounding."""
         chunks = metadata.chunks
         lkv = self.cfg.kv_lora_rank
+        block_table = layers.block_ids(metadata.block_table)
 
         def attend(carry, cu_seq_lens, starts, total):
             workspace = _gather_workspace(
-                cache,
-                metadata.block_table,
+                layers.blocks,
+                block_table,
                 cu_seq_lens,
                 starts,
                 total,
@@ -239,6 +248,28 @@ class MLAAttention(nnx.Module):
             chunk, init, (chunks.cu_seq_lens, chunks.starts, chunks.totals)
         )
         return out, lse
+
+
+class LayerView:
+    """One layer of a cache as the kernels take it: ``blocks``, every layer's blocks as one
+    ``[L * num_blocks, block_size, Lkv + R]`` array (a free reshape, where slicing a layer
+    out would copy it; each of an ``Fp8Cache``'s three arrays alike), and ``block_ids`` maps
+    the layer's block ids into it."""
+
+    def __init__(self, cache: jax.Array | Fp8Cache, layer: int | jax.Array | None):
+        if layer is None:
+            self.blocks, self.first_block = cache, 0
+        else:
+            num_layers, num_blocks = cache.shape[:2]
+            self.blocks = jax.tree.map(
+                lambda part: part.reshape(num_layers * num_blocks, *part.shape[2:]), cache
+            )
+            self.first_block = layer * num_blocks
+
+    def block_ids(self, block_table: jax.Array) -> jax.Array:
+        """``block_table [B, W]`` int32 of one layer -> ids into ``blocks``. Entries a
+        request does not need may hold anything; they are never read."""
+        return block_table + self.first_block
 
 
 def _gather_workspace(

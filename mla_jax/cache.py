@@ -1,7 +1,9 @@
-"""Paged latent KV cache: one ``[num_blocks, block_size, Lkv + R]`` array per layer, or with
-``kv_cache_dtype="fp8"`` one ``kernels.fp8.Fp8Cache`` per layer (FlashMLA's layout: kv_c in
+"""Paged latent KV cache: ``[num_layers, num_blocks, block_size, Lkv + R]``, every layer's
+``[num_blocks, block_size, Lkv + R]`` blocks stacked (a layer's block ``i`` holds the same
+tokens in every layer, so one block table serves them all). With ``kv_cache_dtype="fp8"`` it
+is a ``kernels.fp8.Fp8Cache`` of three arrays stacked the same way (FlashMLA's layout: kv_c in
 float8_e4m3fn with a power-of-two float32 scale per 128 values, k_pe in bf16; 656 bytes a
-token at DeepSeek's dims instead of 1152).
+token and layer at DeepSeek's dims instead of 1152).
 
 A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request lives in block
 ``block_table[pos // block_size]`` at offset ``pos % block_size``, i.e. at the flat slot
@@ -56,60 +58,76 @@ def init_cache(
     dtype=jnp.bfloat16,
     *,
     kv_lora_rank: int | None = None,
-) -> tuple[jax.Array | fp8.Fp8Cache, ...]:
-    """One zeroed cache per layer: ``[num_blocks, block_size, width]`` of ``dtype``
-    (bfloat16 or float32), or for ``dtype="fp8"`` an ``Fp8Cache`` of ``kv_lora_rank`` latent
-    columns (width - kv_lora_rank rope columns)."""
-    if num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
-    slots = (num_blocks, block_size)
+) -> jax.Array | fp8.Fp8Cache:
+    """A zeroed ``[num_layers, num_blocks, block_size, width]`` cache of ``dtype`` (bfloat16
+    or float32), or for ``dtype="fp8"`` an ``Fp8Cache`` of ``kv_lora_rank`` latent columns
+    and ``width - kv_lora_rank`` rope columns, with the same leading axes."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("width", width),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    slots = (num_layers, num_blocks, block_size)
     if isinstance(dtype, str) and dtype == "fp8":
         if kv_lora_rank is None or not 0 < kv_lora_rank < width:
             raise ValueError(f"an fp8 cache needs 0 < kv_lora_rank < {width}, got {kv_lora_rank}")
-        return tuple(
-            fp8.Fp8Cache(
-                jnp.zeros((*slots, kv_lora_rank), fp8.FP8),
-                jnp.zeros((*slots, width - kv_lora_rank), fp8.ROPE_DTYPE),
-                jnp.ones((*slots, fp8.num_groups(kv_lora_rank)), jnp.float32),
-            )
-            for _ in range(num_layers)
+        return fp8.Fp8Cache(
+            jnp.zeros((*slots, kv_lora_rank), fp8.FP8),
+            jnp.zeros((*slots, width - kv_lora_rank), fp8.ROPE_DTYPE),
+            jnp.ones((*slots, fp8.num_groups(kv_lora_rank)), jnp.float32),
         )
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
         raise ValueError(
             f"unsupported cache dtype {jnp.dtype(dtype).name}: accepted are bfloat16, float32 "
             "and 'fp8' (scaled)"
         )
-    return tuple(jnp.zeros((*slots, width), dtype) for _ in range(num_layers))
+    return jnp.zeros((*slots, width), dtype)
 
 
 def write_cache(
-    cache: jax.Array | fp8.Fp8Cache, kv_c: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array
+    cache: jax.Array | fp8.Fp8Cache,
+    kv_c: jax.Array,
+    k_pe: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array | fp8.Fp8Cache:
-    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``;
-    an ``Fp8Cache`` gets kv_c quantized (``fp8.quantize``, a scale per group of each token:
-    no calibration) and k_pe in its bf16.
+    """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``
+    of ``cache [num_blocks, block_size, width]``, or with ``layer``, of that layer of
+    ``cache [L, num_blocks, block_size, width]``. An ``Fp8Cache`` gets kv_c quantized
+    (``fp8.quantize``: a scale per group of each token, no calibration) and k_pe in its bf16.
 
     Tokens whose slot is out of range (``PAD_SLOT``) are dropped. Donate ``cache`` to the
     enclosing jit so that XLA updates it in place.
     """
+    if layer is None:
+        stacked = jax.tree.map(lambda part: part[None], cache)
+        return jax.tree.map(
+            lambda part: part[0], write_cache(stacked, kv_c, k_pe, slot_mapping, layer=0)
+        )
     if isinstance(cache, fp8.Fp8Cache):
         values, scales = fp8.quantize(kv_c)
         return fp8.Fp8Cache(
-            _scatter(cache.kv_c, values, slot_mapping),
-            _scatter(cache.k_pe, k_pe, slot_mapping),
-            _scatter(cache.scales, scales, slot_mapping),
+            _scatter(cache.kv_c, values, slot_mapping, layer),
+            _scatter(cache.k_pe, k_pe, slot_mapping, layer),
+            _scatter(cache.scales, scales, slot_mapping, layer),
         )
-    rows = jnp.concatenate([kv_c, k_pe], axis=-1).astype(cache.dtype)
-    return _scatter(cache, rows, slot_mapping)
+    rows = jnp.concatenate([kv_c, k_pe], axis=-1)
+    return _scatter(cache, rows, slot_mapping, layer)
 
 
-def _scatter(part: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """``part [num_blocks, block_size, C]`` with ``rows [T, C]`` at the flat slots (out of
-    range: dropped)."""
-    num_blocks, block_size, width = part.shape
-    flat = part.reshape(num_blocks * block_size, width)
-    flat = flat.at[slot_mapping].set(rows.astype(part.dtype), mode="drop")
-    return flat.reshape(num_blocks, block_size, width)
+def _scatter(
+    part: jax.Array, rows: jax.Array, slot_mapping: jax.Array, layer: int | jax.Array
+) -> jax.Array:
+    """``part [L, num_blocks, block_size, C]`` with ``rows [T, C]`` at layer ``layer``'s
+    flat slots (out of range: dropped)."""
+    num_layers, num_blocks, block_size, width = part.shape
+    flat = part.reshape(num_layers, num_blocks * block_size, width)
+    flat = flat.at[layer, slot_mapping].set(rows.astype(part.dtype), mode="drop")
+    return flat.reshape(part.shape)
 
 
 class BlockAllocator:

@@ -112,6 +112,91 @@ class MLAConfig:
         return scale
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """One DeepSeek mixture-of-experts layer, routed as transformers 5.23 routes it.
+
+    ``scoring_func`` follows the model type: ``"softmax"`` (deepseek_v2) or ``"sigmoid"``
+    (deepseek_v3). ``topk_method``: ``"greedy"`` or ``"group_limited_greedy"`` (v2: each
+    group scored by its best expert) or ``"noaux_tc"`` (v3: the sum of each group's best two,
+    ``e_score_correction_bias`` added for the choice only); group-limited methods keep the
+    ``topk_group`` best of ``n_group`` groups before choosing ``num_experts_per_tok`` experts.
+    """
+
+    hidden_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    scoring_func: str  # "softmax" | "sigmoid"
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in (
+            "hidden_size",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+        ):
+            _require_int(name, getattr(self, name), minimum=1)
+        methods = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+        if self.scoring_func not in methods:
+            raise ConfigError(
+                f"scoring_func {self.scoring_func!r} is not supported (softmax or sigmoid)"
+            )
+        if self.topk_method not in methods[self.scoring_func]:
+            raise ConfigError(
+                f"topk_method {self.topk_method!r} does not go with {self.scoring_func} scores "
+                f"(expected one of {list(methods[self.scoring_func])})"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
+                f"{self.n_routed_experts}"
+            )
+        if self.grouped:
+            if self.n_routed_experts % self.n_group:
+                raise ConfigError(
+                    f"n_routed_experts {self.n_routed_experts} must be a multiple of n_group "
+                    f"{self.n_group}"
+                )
+            if self.topk_group > self.n_group:
+                raise ConfigError(f"topk_group {self.topk_group} exceeds n_group {self.n_group}")
+            per_group = self.n_routed_experts // self.n_group
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise ConfigError(
+                    f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+                    f"{self.topk_group * per_group} experts of the topk_group={self.topk_group} "
+                    "groups kept"
+                )
+            if self.topk_method == "noaux_tc" and per_group < 2:
+                raise ConfigError(
+                    "noaux_tc scores each group by its best two experts: n_routed_experts / "
+                    f"n_group must be >= 2, got {per_group}"
+                )
+        if not self.routed_scaling_factor > 0:
+            raise ConfigError(
+                f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}"
+            )
+
+    @property
+    def grouped(self) -> bool:
+        """Whether experts are chosen within the ``topk_group`` best groups only."""
+        return self.topk_method != "greedy"
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the shared experts' SwiGLU (all shared experts as one MLP)."""
+        return self.moe_intermediate_size * self.n_shared_experts
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention-temperature factor (DeepSeek's ``yarn_get_mscale``)."""
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
@@ -135,6 +220,11 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     num_nextn_predict_layers: int = 0
+    # How the checkpoint's weights are stored (a quantization.FP8BlockQuantization), for the
+    # loader: the model itself runs in its own dtype, so this is not written back.
+    quantization: Any = None
+    # The MoE layers' router and experts; None when no layer is MoE.
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         if self.model_type not in ("deepseek_v2", "deepseek_v3"):
@@ -154,6 +244,29 @@ class ModelConfig:
             _require_int(name, getattr(self, name), minimum=0)
         if self.n_routed_experts is not None:
             _require_int("n_routed_experts", self.n_routed_experts, minimum=1)
+        if self.moe is not None and (
+            self.moe.n_routed_experts != self.n_routed_experts
+            or self.moe.hidden_size != self.mla.hidden_size
+        ):
+            raise ConfigError(
+                f"the MoE config ({self.moe.n_routed_experts} experts, hidden "
+                f"{self.moe.hidden_size}) disagrees with the model's ({self.n_routed_experts}, "
+                f"{self.mla.hidden_size})"
+            )
+
+    def layer_runs(self) -> list[tuple[int, int, bool]]:
+        """The decoder as runs of consecutive layers of one kind: ``(first layer, count,
+        is_moe)``; each run is one stacked module scanned over (DeepSeek-V2-Lite: a dense
+        layer, then 26 MoE layers)."""
+        runs: list[tuple[int, int, bool]] = []
+        for layer in range(self.num_layers):
+            moe = self.is_moe_layer(layer)
+            if runs and runs[-1][2] == moe:
+                first, count, _ = runs[-1]
+                runs[-1] = (first, count + 1, moe)
+            else:
+                runs.append((layer, 1, moe))
+        return runs
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -217,17 +330,69 @@ def _parse_rope(d: dict, *, interleaved: bool) -> RopeConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _refuse_quantization(quantization: Any) -> None:
-    """Quantized weights (FP8 and the like) would load as garbage: refuse them by method."""
-    if quantization is None:
-        return
-    if not isinstance(quantization, dict):
+# transformers 5.23's defaults for the MoE fields a config.json leaves out.
+_MOE_DEFAULTS = {
+    "deepseek_v2": dict(
+        moe_intermediate_size=1407,
+        n_shared_experts=2,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+    ),
+    "deepseek_v3": dict(
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+    ),
+}
+
+
+def _parse_moe(d: dict, model_type: str, hidden_size: int) -> MoEConfig:
+    """The MoE fields of a deepseek_v2 / deepseek_v3 ``config.json``.
+
+    Read from transformers 5.23: ``DeepseekV2TopkRouter`` always scores with a softmax and
+    never renormalises the chosen weights, whatever ``norm_topk_prob`` says (DeepSeek's own
+    V2 code renormalises instead of scaling when it is set; no published V2 config sets it);
+    ``DeepseekV3TopkRouter`` always scores with a sigmoid and runs noaux_tc. A
+    ``scoring_func`` or ``topk_method`` the model's router would not run is refused.
+    """
+    defaults = _MOE_DEFAULTS[model_type]
+
+    def get(key, kind):
+        return _field(d, key, kind, defaults.get(key, _MISSING))
+
+    scoring = "softmax" if model_type == "deepseek_v2" else "sigmoid"
+    if _field(d, "scoring_func", str, scoring) != scoring:
         raise ConfigError(
-            f"config.json field 'quantization_config' must be an object: {quantization!r}"
+            f"scoring_func {d['scoring_func']!r} is not what {model_type} routers compute "
+            f"({scoring!r})"
         )
-    method = quantization.get("quant_method", "?")
-    raise ConfigError(
-        f"quantized checkpoints ({method}) are not supported: convert the weights to bfloat16 first"
+    if model_type == "deepseek_v2":
+        topk_method = get("topk_method", str)
+        grouped = topk_method == "group_limited_greedy"
+        norm_topk_prob = False
+        group_default = _MISSING if grouped else 1
+        n_group = _field(d, "n_group", int, group_default)
+        topk_group = _field(d, "topk_group", int, group_default)
+    else:
+        topk_method = _field(d, "topk_method", str, "noaux_tc")
+        norm_topk_prob = get("norm_topk_prob", bool)
+        n_group, topk_group = get("n_group", int), get("topk_group", int)
+    return MoEConfig(
+        hidden_size=hidden_size,
+        n_routed_experts=_field(d, "n_routed_experts", int),
+        num_experts_per_tok=get("num_experts_per_tok", int),
+        moe_intermediate_size=get("moe_intermediate_size", int),
+        n_shared_experts=get("n_shared_experts", int),
+        scoring_func=scoring,
+        topk_method=topk_method,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=get("routed_scaling_factor", float),
     )
 
 
@@ -236,7 +401,9 @@ def config_from_dict(d: dict) -> ModelConfig:
     model_type = _field(d, "model_type", str)
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported (no DeepSeek checkpoint uses it)")
-    _refuse_quantization(d.get("quantization_config"))
+    from .quantization import parse_quantization_config  # (it imports ConfigError from here)
+
+    quantization = parse_quantization_config(d.get("quantization_config"))
     act = _field(d, "hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -256,7 +423,7 @@ def config_from_dict(d: dict) -> ModelConfig:
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
     if not all(isinstance(t, int) for t in eos_ids):
         raise ConfigError(f"config.json field 'eos_token_id' has the wrong type: {eos!r}")
-    return ModelConfig(
+    cfg = ModelConfig(
         model_type=model_type,
         vocab_size=_field(d, "vocab_size", int),
         num_layers=_field(d, "num_hidden_layers", int),
@@ -270,7 +437,12 @@ def config_from_dict(d: dict) -> ModelConfig:
         first_k_dense_replace=_field(d, "first_k_dense_replace", int, 0),
         moe_layer_freq=_field(d, "moe_layer_freq", int, 1),
         num_nextn_predict_layers=_field(d, "num_nextn_predict_layers", int, 0),
+        quantization=quantization,
     )
+    # The MoE fields are read only where a layer is MoE: dense configs leave them null.
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        cfg = dataclasses.replace(cfg, moe=_parse_moe(d, model_type, mla.hidden_size))
+    return cfg
 
 
 def load_config(model_dir: str | os.PathLike) -> ModelConfig:
@@ -330,6 +502,22 @@ def config_to_dict(cfg: ModelConfig) -> dict:
         "first_k_dense_replace": cfg.first_k_dense_replace,
         "moe_layer_freq": cfg.moe_layer_freq,
         "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+        **(_moe_to_dict(cfg.moe) if cfg.moe is not None else {}),
+    }
+
+
+def _moe_to_dict(moe: MoEConfig) -> dict:
+    """The HF ``config.json`` fields of ``moe``."""
+    return {
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "n_shared_experts": moe.n_shared_experts,
+        "scoring_func": moe.scoring_func,
+        "topk_method": moe.topk_method,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "routed_scaling_factor": moe.routed_scaling_factor,
     }
 
 

@@ -1,11 +1,10 @@
 """A small generation engine: continuous batching, chunked prefill, a fixed set of programs.
 
-Each step the scheduler takes every running decode (one token each) and then fills the rest
-of the token budget with up to ``prefill_slots`` prompt chunks, so long prompts span
-steps and come back with cached context. Cache blocks are allocated as tokens arrive; when
-a decode finds none free, the newest running request is preempted (its blocks freed) and
-later recomputed from its prompt and the tokens it had generated, as vLLM does. A request
-waits while its next chunk finds no free block, and one that could never fit is refused.
+The engine checks requests, asks the scheduler (``scheduler.py``) for each step and hands it
+to the model runner (``runner.py``). With ``async_scheduling`` (the default) it builds and
+launches step n+1 before reading step n's sampled tokens, as vLLM's asynchronous scheduling
+does, so the host's work overlaps the device's; a request that ends on an EOS token is found
+one step late, and that step's token for it is dropped.
 
 Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
 decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
@@ -18,21 +17,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-import kernels
 
 from .cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
-from .compilation import cache_hits
 from .config import ModelConfig
-from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
+from .metadata import Buckets, StepShape
 from .model import DeepseekModel
+from .runner import Launched, ModelRunner
+from .scheduler import Request, Scheduled, Scheduler
+
+__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "Stats", "StepRecord"]
 
 
 class RequestError(ValueError):
@@ -52,6 +49,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), bfloat16, float32 or fp8
     buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
     impl: str = "auto"  # kernels.select
+    # Launch step n+1 before reading step n's tokens (host work overlaps the device's).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in (
@@ -62,7 +61,7 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        cache_dtype(self.kv_cache_dtype, jnp.float32)  # refuses names the kernels don't take
+        cache_dtype(self.kv_cache_dtype, np.float32)  # refuses names the kernels don't take
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
@@ -110,25 +109,16 @@ class EngineConfig:
         )
 
 
-@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields hold
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    ignore_eos: bool = False
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    num_computed: int = 0  # tokens already in the cache
-    num_preemptions: int = 0  # times its blocks were taken and its tokens recomputed
+class StepRecord(NamedTuple):
+    """One step as the host saw it: its tokens, its shape, ``host_s`` (scheduling, building
+    and launching it, compilation excluded) and ``interval_s`` (since the previous step's
+    launch: in a steady run, the step's wall time)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def tokens(self, start: int, stop: int) -> list[int]:
-        """Token ids ``[start, stop)`` of prompt + output."""
-        p = len(self.prompt_ids)
-        return self.prompt_ids[start:stop] + self.output_ids[max(start - p, 0) : max(stop - p, 0)]
+    decodes: int
+    prefill_tokens: int
+    shape: StepShape
+    host_s: float
+    interval_s: float
 
 
 @dataclasses.dataclass
@@ -142,9 +132,11 @@ class Stats:
     first_token_s: float | None = None  # from generate()'s start to its first sampled token
     preemptions: int = 0  # requests whose blocks were taken, to be recomputed
     buckets: list[StepShape] = dataclasses.field(default_factory=list)
+    step_records: list[StepRecord] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         run_s = max(self.elapsed_s - self.compile_s, 1e-9)
+        decode_steps = [r for r in self.step_records if r.decodes and not r.prefill_tokens]
         return {
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
@@ -153,6 +145,9 @@ class Stats:
             "compile_s": round(self.compile_s, 4),
             "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
+            "decode_steps": len(decode_steps),
+            "decode_step_ms": _median_ms([r.interval_s for r in decode_steps[1:]]),
+            "decode_host_ms": _median_ms([r.host_s for r in decode_steps]),
             "programs": len(self.buckets),
             "programs_from_cache": self.programs_from_cache,
             "preemptions": self.preemptions,
@@ -160,15 +155,12 @@ class Stats:
         }
 
 
-def _sample(logits: jax.Array, temperatures: jax.Array, key: jax.Array) -> jax.Array:
-    """Greedy where temperature is 0, else a draw from softmax(logits / temperature)."""
-    t = jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-    drawn = jax.random.categorical(key, logits / t, axis=-1)
-    return jnp.where(temperatures > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(float(np.median(seconds)) * 1e3, 3) if seconds else None
 
 
 class Engine:
-    """Runs requests to completion over a model and its paged latent caches."""
+    """Runs requests to completion over a model and its paged latent cache."""
 
     def __init__(
         self,
@@ -180,16 +172,6 @@ class Engine:
     ):
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = cfg
-        self.graphdef, self.state = nnx.split(model)
-        self.caches = init_cache(
-            self.model_cfg.num_layers,
-            cfg.num_blocks,
-            cfg.block_size,
-            self.model_cfg.mla.cache_width,
-            cache_dtype(cfg.kv_cache_dtype, model.embed_tokens.embedding[...].dtype),
-            kv_lora_rank=self.model_cfg.mla.kv_lora_rank,
-        )
-        self.allocator = BlockAllocator(cfg.num_blocks)
         self.max_model_len = cfg.model_len(self.model_cfg.max_position_embeddings)
         if self.max_model_len > self.model_cfg.max_position_embeddings:
             raise ValueError(
@@ -197,22 +179,36 @@ class Engine:
                 f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
             )
         self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
-        self.kernel_plan = (
-            kernels.KernelPlan.for_device(self.model_cfg.mla.num_heads)
-            if kernels.select(cfg.impl) is kernels.PALLAS
-            else None
+        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator,
+            block_size=cfg.block_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            prefill_slots=cfg.prefill_slots,
         )
-        self.key = jax.random.key(seed)
+        cache = init_cache(
+            self.model_cfg.num_layers,
+            cfg.num_blocks,
+            cfg.block_size,
+            self.model_cfg.mla.cache_width,
+            cache_dtype(cfg.kv_cache_dtype, model.embed_tokens.embedding[...].dtype),
+            kv_lora_rank=self.model_cfg.mla.kv_lora_rank,
+        )
+        self.runner = ModelRunner(
+            model,
+            cache,
+            block_size=cfg.block_size,
+            workspace_size=cfg.workspace_size,
+            # A step samples at most one token per decode slot and prefill slot.
+            max_rows=self.buckets.decodes(cfg.max_num_seqs)
+            + self.buckets.prefills(cfg.prefill_slots),
+            impl=cfg.impl,
+            seed=seed,
+        )
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
-
-        def forward(graphdef, state, caches, input_ids, md, temperatures, key):
-            model = nnx.merge(graphdef, state)
-            logits, caches = model(input_ids, caches, md, impl=cfg.impl)
-            return _sample(logits, temperatures, key), caches
-
-        # A function of this engine's own, so its jit cache holds exactly its buckets.
-        self._step_fn = jax.jit(forward, static_argnums=0, donate_argnums=2)
+        self._last_launch: float | None = None
 
     # -- requests ----------------------------------------------------------------------
 
@@ -244,141 +240,61 @@ class Engine:
         if total > max_len:
             raise RequestError(f"{where} exceeds max_model_len {max_len}")
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
-        when too few are free."""
-        need = -(-num_tokens // self.cfg.block_size) - len(req.block_ids)
-        if need > self.allocator.num_free:
-            return False
-        if need > 0:
-            new = np.asarray(self.allocator.allocate(need), np.int32)
-            req.block_ids = np.concatenate([req.block_ids, new])
-        return True
-
-    def _release(self, req: Request) -> None:
-        self.allocator.free(req.block_ids.tolist())
-        req.block_ids = np.zeros(0, np.int32)
-
-    def _finished(self, req: Request) -> bool:
+    def _done(self, req: Request) -> bool:
         if len(req.output_ids) >= req.max_new_tokens:
             return True
         eos = self.model_cfg.eos_token_ids
         return not req.ignore_eos and bool(req.output_ids) and req.output_ids[-1] in eos
 
-    # -- scheduling ----------------------------------------------------------------------
+    # -- steps ---------------------------------------------------------------------------
 
-    def _schedule(self, running: list[Request], waiting: deque[Request]):
-        """``[(request, new_tokens)]`` for one step: every decode first, then up to
-        ``prefill_slots`` prompt chunks (running prompts before new ones), within the
-        token budget. A running request that finds no free block preempts the newest one
-        (itself, if it is the newest) back to the front of ``waiting``; a new request only
-        takes blocks that are free."""
-        budget = self.cfg.max_num_batched_tokens
-        batch: list[tuple[Request, int]] = []
-
-        def preempt_newest() -> Request:
-            nonlocal budget
-            victim = running.pop()
-            for i, (req, n) in enumerate(batch):
-                if req is victim:
-                    del batch[i]
-                    budget += n
-                    break
-            self._release(victim)
-            victim.num_computed = 0
-            victim.num_preemptions += 1
-            self.stats.preemptions += 1
-            waiting.appendleft(victim)
-            return victim
-
-        def add(req: Request, n: int, *, preempt: bool) -> bool:
-            """Schedules ``n`` tokens of ``req`` if its blocks can grow to hold them."""
-            nonlocal budget
-            while not self._grow(req, req.num_computed + n):
-                if not preempt or preempt_newest() is req:
-                    return False
-            batch.append((req, n))
-            budget -= n
-            return True
-
-        def fitting(req: Request) -> int:
-            """The tokens of ``req``'s next chunk that the budget and free blocks allow."""
-            free = (len(req.block_ids) + self.allocator.num_free) * self.cfg.block_size
-            return min(req.num_tokens - req.num_computed, budget, free - req.num_computed)
-
-        for req in list(running):  # oldest first: preemption takes the newest
-            if budget and req.num_tokens - req.num_computed == 1 and req in running:
-                add(req, 1, preempt=True)
-        chunks = 0
-        for req in list(running):
-            left = req.num_tokens - req.num_computed
-            if budget and chunks < self.cfg.prefill_slots and left > 1 and req in running:
-                # What the free blocks hold, or else a block's worth made free.
-                n = fitting(req)
-                n = n if n > 0 else min(left, budget, self.cfg.block_size)
-                chunks += add(req, n, preempt=True) and n > 1
-        while (
-            waiting
-            and budget
-            and chunks < self.cfg.prefill_slots
-            and len(running) < self.cfg.max_num_seqs
-        ):
-            n = fitting(waiting[0])
-            if n <= 0 or not add(waiting[0], n, preempt=False):
-                break
-            running.append(waiting.popleft())
-            chunks += n > 1
-        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
-        return batch
-
-    def _metadata(self, batch, buckets: Buckets) -> tuple[np.ndarray, AttentionMetadata]:
-        width = max(len(req.block_ids) for req, _ in batch)
-        block_table = np.zeros((len(batch), width), np.int32)
-        context_lens = np.empty(len(batch), np.int32)
-        query_lens = np.empty(len(batch), np.int32)
-        ids = []
-        for i, (req, n) in enumerate(batch):
-            block_table[i, : len(req.block_ids)] = req.block_ids
-            context_lens[i] = req.num_computed
-            query_lens[i] = n
-            ids += req.tokens(req.num_computed, req.num_computed + n)
-        md = build_metadata(
-            context_lens,
-            query_lens,
-            block_table,
-            block_size=self.cfg.block_size,
-            num_blocks=self.cfg.num_blocks,
-            workspace_size=self.cfg.workspace_size,
-            buckets=buckets,
-            kernel_plan=self.kernel_plan,
-        )
-        input_ids = np.zeros(md.positions.shape[0], np.int32)
-        input_ids[md.token_rows()] = ids
-        return input_ids, md
-
-    def step(self, batch, buckets: Buckets | None = None) -> tuple[np.ndarray, StepShape]:
-        """Runs one scheduled batch; returns the sampled token of each request and the
-        bucket it ran in (``buckets``: other than the engine's, for ``precompile``)."""
-        input_ids, md = self._metadata(batch, buckets or self.buckets)
-        shape = md.step_shape()
-        rows = md.request_rows()
-        temperatures = np.zeros(md.logits_indices.shape[0], np.float32)
-        temperatures[rows] = [req.temperature for req, _ in batch]
-        self.key, key = jax.random.split(self.key)
-        args = jax.device_put((input_ids, md, temperatures))
-        t0, hits = time.perf_counter(), cache_hits()
-        tokens, self.caches = self._step_fn(self.graphdef, self.state, self.caches, *args, key)
-        tokens = np.asarray(tokens)
-        if shape not in self.stats.buckets:
-            dt = time.perf_counter() - t0
+    def _launch(
+        self, batch: list[Scheduled], previous: Launched | None, started: float, buckets=None
+    ) -> Launched:
+        """Starts ``batch`` on the device (``started``: when its scheduling began)."""
+        compiled = len(self.runner.compiled)
+        launched = self.runner.launch(batch, previous, buckets or self.buckets)
+        now = time.perf_counter()
+        compile_s = 0.0
+        for shape, seconds, from_cache in self.runner.compiled[compiled:]:
+            compile_s += seconds
+            self.stats.compile_s += seconds
+            self.stats.programs_from_cache += from_cache
             self.stats.buckets.append(shape)
-            self.stats.compile_s += dt
-            if cache_hits() > hits:
-                self.stats.programs_from_cache += 1
-                self.log(f"loaded bucket {shape} from the compilation cache in {dt:.2f}s")
-            else:
-                self.log(f"compiled bucket {shape} in {dt:.2f}s")
-        return tokens[rows], shape
+            how = "loaded from the compilation cache" if from_cache else "compiled"
+            self.log(f"{how} bucket {shape} in {seconds:.2f}s")
+        decodes = sum(entry.count == 1 for entry in batch)
+        interval = 0.0 if self._last_launch is None else now - self._last_launch - compile_s
+        self.stats.step_records.append(
+            StepRecord(
+                decodes,
+                sum(entry.count for entry in batch) - decodes,
+                launched.shape,
+                now - started - compile_s,
+                interval,
+            )
+        )
+        self._last_launch = now
+        return launched
+
+    def _collect(self, launched: Launched, t_start: float) -> None:
+        """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
+        tokens = np.asarray(launched.tokens)[launched.rows]
+        now = time.perf_counter()
+        for entry, token in zip(launched.batch, tokens, strict=True):
+            req = entry.request
+            if not entry.samples:
+                continue
+            req.num_pending -= 1
+            if req.finished:  # ended by an EOS found after this step was launched
+                continue
+            req.output_ids.append(int(token))
+            req.token_times.append(now)
+            self.stats.generated_tokens += 1
+            if self.stats.first_token_s is None:
+                self.stats.first_token_s = now - t_start
+            if self._done(req):
+                self.scheduler.finish(req)
 
     def step_shapes(self) -> list[StepShape]:
         """Every program this engine can run (its buckets fix every axis)."""
@@ -410,50 +326,54 @@ class Engine:
         try:
             for context_len, query_len in pairs:
                 req = Request([0] * (context_len + query_len), max_new_tokens=1)
-                req.num_computed = context_len
-                if not self._grow(req, context_len + query_len):
+                if not self.scheduler.grow(req, context_len + query_len):
                     raise CacheFullError("too few free cache blocks to precompile")
-                batch.append((req, query_len))
-            return self.step(batch, buckets)[1]
+                batch.append(Scheduled(req, context_len, query_len, True))
+            launched = self._launch(batch, None, time.perf_counter(), buckets)
+            launched.tokens.block_until_ready()
+            return launched.shape
         finally:
-            for req, _ in batch:
-                self._release(req)
+            self._last_launch = None
+            for entry in batch:
+                self.scheduler.release(entry.request)
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
         """Runs every request to completion; returns them in the given order."""
         for req in requests:
             self._check(req)
-        waiting, running = deque(requests), []
+        scheduler = self.scheduler
+        for req in requests:
+            scheduler.add(req)
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
-        while waiting or running:
-            batch = self._schedule(running, waiting)
-            if not batch:
+        in_flight: Launched | None = None
+        while scheduler.has_work or in_flight is not None:
+            started = time.perf_counter()
+            batch = scheduler.schedule() if scheduler.has_work else []
+            launched = None
+            if batch:
+                self.stats.steps += 1
+                for req, start, count, _ in batch:
+                    prompt_len = len(req.prompt_ids)
+                    self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
+                launched = self._launch(batch, in_flight, started)
+            elif in_flight is None:
                 raise CacheFullError(
                     f"no request can be scheduled: {self.allocator.num_free} free blocks"
                 )
-            tokens, _ = self.step(batch)
-            self.stats.steps += 1
-            for (req, n), tok in zip(batch, tokens, strict=True):
-                prompt_len = len(req.prompt_ids)
-                self.stats.prompt_tokens += max(
-                    min(req.num_computed + n, prompt_len) - req.num_computed, 0
-                )
-                req.num_computed += n
-                if req.num_computed < req.num_tokens:
-                    continue  # a prompt (or recompute) chunk: its logits are not a sample
-                req.output_ids.append(int(tok))
-                self.stats.generated_tokens += 1
-                if self.stats.first_token_s is None:
-                    self.stats.first_token_s = time.perf_counter() - t_start
-                if self._finished(req):
-                    running.remove(req)
-                    self._release(req)
+            if in_flight is not None:  # the device already has the next step, if any
+                self._collect(in_flight, t_start)
+            in_flight = launched
+            if in_flight is not None and not self.cfg.async_scheduling:
+                self._collect(in_flight, t_start)
+                in_flight = None
             now = time.perf_counter()
             self.stats.elapsed_s = elapsed_before + now - t_start
-            if now - t_log >= progress_every_s or not (waiting or running):
+            self.stats.preemptions = scheduler.preemptions
+            if now - t_log >= progress_every_s or not (scheduler.has_work or in_flight):
                 t_log = now
-                self.log(self._progress(len(running), len(waiting)))
+                self.log(self._progress(len(scheduler.running), len(scheduler.waiting)))
+        self._last_launch = None
         return requests
 
     def _progress(self, running: int, waiting: int) -> str:

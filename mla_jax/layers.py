@@ -37,3 +37,16 @@ def linear(n_in: int, n_out: int, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
         precision=matmul_precision(param_dtype),
         rngs=rngs,
     )
+
+
+class MLP(nnx.Module):
+    """SwiGLU, ``down(silu(gate(x)) * up(x))``, as HF's DeepseekV2MLP / DeepseekV3MLP (the
+    dense layers' MLP and an MoE layer's shared experts), parameters under HF names."""
+
+    def __init__(self, hidden: int, intermediate: int, *, param_dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(hidden, intermediate, param_dtype, rngs)
+        self.up_proj = linear(hidden, intermediate, param_dtype, rngs)
+        self.down_proj = linear(intermediate, hidden, param_dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

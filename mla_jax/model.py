@@ -1,4 +1,13 @@
-"""A DeepSeek decoder (dense layers) for generation, parameters named as in HF checkpoints."""
+"""A DeepSeek decoder for generation, parameters named as in HF checkpoints.
+
+Each run of consecutive layers of one kind (dense MLP or mixture-of-experts, see
+``ModelConfig.layer_runs``) is one ``DecoderLayer`` whose parameters carry a leading layer
+axis, run by a ``lax.scan``: XLA compiles each kind of layer once, so a 61-layer model
+compiles about as fast as a 2-layer one. The latent cache is stacked the same way,
+``[L, num_blocks, block_size, Lkv + R]``, and carried through the scans whole (each layer
+writes and reads its own slice in place; slicing it out would copy it). An FP8 cache
+(``kernels.fp8.Fp8Cache``) is three such arrays, carried the same way.
+"""
 
 from __future__ import annotations
 
@@ -6,60 +15,63 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.fp8 import Fp8Cache
+
 from .attention import MLAAttention
 from .config import ModelConfig
-from .layers import RMSNorm, linear, matmul_precision
+from .layers import MLP, RMSNorm, linear, matmul_precision
 from .metadata import AttentionMetadata
-
-
-class MoENotSupportedError(NotImplementedError):
-    """The config makes a layer mixture-of-experts, which this library does not run yet."""
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, intermediate: int, *, param_dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(hidden, intermediate, param_dtype, rngs)
-        self.up_proj = linear(hidden, intermediate, param_dtype, rngs)
-        self.down_proj = linear(intermediate, hidden, param_dtype, rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+from .moe import MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, param_dtype, rngs: nnx.Rngs):
         eps = cfg.mla.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
         self.self_attn = MLAAttention(cfg.mla, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
-        self.mlp = MLP(
-            cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
-        )
+        if moe:
+            self.mlp = MoE(cfg.moe, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(
+                cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
+            )
 
-    def __call__(self, x, cache, md: AttentionMetadata, *, impl: str):
-        h, cache = self.self_attn(self.input_layernorm(x), cache, md, impl=impl)
+    def __call__(self, x, cache, md: AttentionMetadata, *, layer, impl: str):
+        h, cache = self.self_attn(self.input_layernorm(x), cache, md, layer=layer, impl=impl)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        h = self.mlp(h, impl=impl) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return x + h, cache
+
+
+def stacked_layers(
+    cfg: ModelConfig, num_layers: int, *, moe: bool, param_dtype, rngs: nnx.Rngs
+) -> DecoderLayer:
+    """``num_layers`` independently initialised ``DecoderLayer``s as one module whose
+    parameters have a leading ``[num_layers]`` axis."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, moe=moe, param_dtype=param_dtype, rngs=rngs)
+
+    return make(rngs)
 
 
 class DeepseekModel(nnx.Module):
     """Embeddings, decoder layers, final norm and lm_head (HF's DeepseekV2/V3ForCausalLM)."""
 
     def __init__(self, cfg: ModelConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        for i in range(cfg.num_layers):
-            if cfg.is_moe_layer(i):
-                raise MoENotSupportedError(
-                    f"layer {i} is a mixture-of-experts layer (n_routed_experts="
-                    f"{cfg.n_routed_experts}, first_k_dense_replace={cfg.first_k_dense_replace}, "
-                    f"moe_layer_freq={cfg.moe_layer_freq}): MoE is not supported yet"
-                )
         self.cfg = cfg
         h = cfg.mla.hidden_size
         self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
+        # One stacked module per run of layers (``cfg.layer_runs()``), in order.
         self.layers = nnx.List(
-            [DecoderLayer(cfg, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)]
+            [
+                stacked_layers(cfg, count, moe=moe, param_dtype=param_dtype, rngs=rngs)
+                for _, count, moe in cfg.layer_runs()
+            ]
         )
         self.norm = RMSNorm(h, cfg.mla.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
@@ -68,24 +80,34 @@ class DeepseekModel(nnx.Module):
     def __call__(
         self,
         input_ids: jax.Array,
-        caches: tuple[jax.Array, ...],
+        cache: jax.Array | Fp8Cache,
         md: AttentionMetadata,
         *,
         impl: str = "auto",
-    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """``input_ids [T]`` -> logits of ``md.logits_indices`` ``[R, vocab]`` float32 and the
-        updated per-layer caches."""
-        if len(caches) != len(self.layers):
-            raise ValueError(f"{len(caches)} caches given for {len(self.layers)} layers")
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
+        """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
+        Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
+        ``md.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
+        if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
+            raise ValueError(
+                f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
+                "block_size, width]"
+            )
+        md = jax.tree.map(jnp.asarray, md)  # NumPy arrays cannot be indexed by the scan's tracers
         x = self.embed_tokens(input_ids)
-        new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x, cache = layer(x, cache, md, impl=impl)
-            new_caches.append(cache)
+        for (first, _, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
+            graphdef, state = nnx.split(layers)
+
+            def layer_step(carry, layer_state, graphdef=graphdef):
+                x, cache, layer = carry
+                x, cache = nnx.merge(graphdef, layer_state)(x, cache, md, layer=layer, impl=impl)
+                return (x, cache, layer + 1), None
+
+            (x, cache, _), _ = jax.lax.scan(layer_step, (x, cache, jnp.int32(first)), state)
         x = self.norm(x[md.logits_indices])
         if self.cfg.tie_word_embeddings:
             embedding = self.embed_tokens.embedding[...]
             logits = jnp.dot(x, embedding.T, precision=matmul_precision(embedding.dtype))
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), tuple(new_caches)
+        return logits.astype(jnp.float32), cache

@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoints <-> DeepseekModel.
 
-Parameter paths map to HF tensor names mechanically: ``layers.3.self_attn.q_a_proj.kernel``
-is ``model.layers.3.self_attn.q_a_proj.weight`` transposed (HF stores ``[out, in]``),
-``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head`` has no
-``model.`` prefix.
+Parameter paths map to HF tensor names mechanically. The decoder layers' parameters are
+stacked, so ``layers.self_attn.q_a_proj.kernel [L, in, out]`` holds one tensor per layer:
+its row ``i`` is ``model.layers.{i}.self_attn.q_a_proj.weight`` transposed (HF stores
+``[out, in]``). ``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head``
+has no ``model.`` prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,8 @@ from safetensors.numpy import save_file
 
 from .config import ModelConfig, config_to_dict, load_config
 from .model import DeepseekModel
+from .moe import hf_expert_names, hf_expert_slice
+from .quantization import dequantize, read_safetensors, scale_name
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -36,13 +40,48 @@ class WeightsError(ValueError):
     """A checkpoint's tensors do not match the model its config.json describes."""
 
 
-def hf_name(path: tuple) -> str:
-    """HF tensor name of an nnx parameter path."""
+class TensorSlot(NamedTuple):
+    """Where HF tensor ``name`` goes: ``parameter[index] = tensor.transpose(axes)``."""
+
+    name: str
+    index: tuple  # into the (stacked) parameter: ints and slices
+    axes: tuple[int, ...]  # the transpose taking HF's layout to the parameter's
+    hf_shape: tuple[int, ...]  # the shape the HF tensor must have
+
+
+def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+    """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
+    run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
+    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one."""
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
-    name = ".".join(parts)
-    return name if parts[0] == "lm_head" else f"model.{name}"
+    if parts[0] != "layers":
+        name = ".".join(parts)
+        slot_name = name if parts[0] == "lm_head" else f"model.{name}"
+        return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
+    first = cfg.layer_runs()[int(parts[1])][0]
+    rest = ".".join(parts[2:])
+    slots = []
+    for i in range(shape[0]):
+        prefix = f"model.layers.{first + i}"
+        if parts[2:4] == ["mlp", "experts"]:
+            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe):
+                where = hf_expert_slice(name, cfg.moe)
+                if where.param == parts[4]:
+                    slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
+        else:
+            slots.append(
+                _plain_slot(f"{prefix}.{rest}", (i,), shape, transposed=_is_transposed(path))
+            )
+    return slots
+
+
+def _plain_slot(name: str, index: tuple, shape: tuple[int, ...], *, transposed: bool):
+    own = tuple(shape[len(index) :])
+    if transposed:
+        return TensorSlot(name, index, (1, 0), own[::-1])
+    return TensorSlot(name, index, tuple(range(len(own))), own)
 
 
 def _is_transposed(path: tuple) -> bool:
@@ -116,13 +155,20 @@ def load_model(
     cfg = load_config(model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = {hf_name(path): (path, var) for path, var in nnx.to_flat_state(state)}
+    params = {}  # HF name -> (parameter path, its abstract variable, its slot)
+    for path, var in nnx.to_flat_state(state):
+        for slot in hf_tensors(path, var.shape, cfg):
+            params[slot.name] = (path, var, slot)
     files = _checkpoint_files(model_dir)
 
     missing = sorted(set(params) - set(files))
     if missing:
         raise WeightsError(f"checkpoint {model_dir} lacks tensors: {_listing(missing)}")
-    unexpected = sorted(n for n in set(files) - set(params) if not _ignorable(n, cfg))
+    quantization = cfg.quantization
+    scales = set()  # the block scales of fp8 weights, read with their weights
+    if quantization is not None:
+        scales = {scale_name(n) for n in params if scale_name(n) in files}
+    unexpected = sorted(n for n in set(files) - set(params) - scales if not _ignorable(n, cfg))
     if unexpected:
         raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
 
@@ -134,32 +180,53 @@ def load_model(
     for file, names in shards:
         with _open(file) as f:
             for name in names:
-                _check_header(f.get_slice(name), name, *params[name])
-    loaded = []
+                fp8 = _check_header(f.get_slice(name), name, *params[name], quantization)
+                if fp8 and scale_name(name) not in files:
+                    raise WeightsError(
+                        f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
+                    )
+    # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
+    buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
     for i, (file, names) in enumerate(shards):
         if verbose:
             print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
         with _open(file) as f:
             for name in names:
-                path, var = params[name]
-                array = f.get_tensor(name)
-                if _is_transposed(path):
-                    array = array.T
-                loaded.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
+                path, _, slot = params[name]
+                if f.get_slice(name).get_dtype() == "F8_E4M3":
+                    # Dequantized tensor by tensor: host memory holds one in float32 at a time.
+                    scale = read_safetensors(files[scale_name(name)], scale_name(name))
+                    array = read_safetensors(file, name)
+                    try:
+                        array = dequantize(array, scale, quantization)
+                    except ValueError as e:
+                        raise WeightsError(f"tensor {name}: {e}") from None
+                else:
+                    array = f.get_tensor(name)
+                buffers[path][slot.index] = array.transpose(slot.axes)
+    variables = {path: var for path, var, _ in params.values()}
+    loaded = [(path, variables[path].replace(jnp.asarray(b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(header, name: str, path: tuple, var: nnx.Variable) -> None:
-    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout)."""
-    if header.get_dtype() not in _FLOAT_DTYPES:
+def _check_header(
+    header, name: str, path: tuple, var: nnx.Variable, slot: TensorSlot, quantization
+) -> bool:
+    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
+    True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
+    fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None
+    if fp8 and len(slot.hf_shape) != 2:
+        raise WeightsError(f"tensor {name} is fp8 but not a matrix {list(slot.hf_shape)}")
+    if not fp8 and header.get_dtype() not in _FLOAT_DTYPES:
         raise WeightsError(
             f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
             f"({', '.join(_FLOAT_DTYPES)})"
         )
     shape = tuple(header.get_shape())
-    want = tuple(var.shape[::-1] if _is_transposed(path) else var.shape)
+    want = slot.hf_shape
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
+    return fp8
 
 
 def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
@@ -170,7 +237,9 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        tensors[hf_name(path)] = np.ascontiguousarray(array.T if _is_transposed(path) else array)
+        for slot in hf_tensors(path, array.shape, model.cfg):
+            inverse = np.argsort(slot.axes)
+            tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(model.cfg), f, indent=2)

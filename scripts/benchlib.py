@@ -295,7 +295,7 @@ _HOW = ("method", "reps", "warmup", "rotation")
 def _timing_note(rows: list) -> list[str]:
     """One note naming how each kind of time in the table was taken, from the timings the
     rows keep (none for rows written before they kept them)."""
-    kept = [t for r in rows if isinstance(r, dict) for t in r["timings"].items()]
+    kept = [t for r in rows if isinstance(r, dict) for t in r.get("timings", {}).items()]
     parts = []
     for name in dict.fromkeys(name for name, _ in kept):
         records = [t for n, t in kept if n == name]

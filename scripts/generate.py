@@ -20,7 +20,6 @@ from mla_jax.cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.metadata import MetadataError
-from mla_jax.model import MoENotSupportedError
 from mla_jax.tiny import tiny_checkpoint
 from mla_jax.weights import WeightsError, load_model
 
@@ -29,7 +28,6 @@ from mla_jax.weights import WeightsError, load_model
 _USER_ERRORS = (
     ConfigError,
     WeightsError,
-    MoENotSupportedError,
     RequestError,
     CacheFullError,
     MetadataError,
@@ -223,7 +221,8 @@ def _summary(stats: dict) -> str:
         f"{stats['generated_tokens']} generated tokens, {stats['tokens_per_s']} tok/s after "
         f"{stats['compile_s']} s on {stats['programs']} programs "
         f"({stats['programs_from_cache']} from the compilation cache); first token after "
-        f"{first} s"
+        f"{first} s; decode step {stats['decode_step_ms']} ms (host "
+        f"{stats['decode_host_ms']} ms) over {stats['decode_steps']} decode-only steps"
     )
 
 

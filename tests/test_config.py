@@ -67,6 +67,7 @@ def test_v3_config_parses_both_schemas(schema):
 
 def test_v2_lite_legacy_config():
     d = dict(V3, model_type="deepseek_v2", q_lora_rank=None, hidden_size=2048)
+    d.update(n_routed_experts=64, num_experts_per_tok=6)
     d["num_attention_heads"] = 16
     d["rope_scaling"] = dict(V3["rope_scaling"], mscale=0.707, mscale_all_dim=0.707)
     cfg = config_from_dict(d)
@@ -104,7 +105,8 @@ def test_missing_yarn_field_is_named():
         ({"model_type": "llama"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "without weight_block_size"),
+        ({"quantization_config": {"quant_method": "awq"}}, "'awq' is not supported"),
         ({"quantization_config": "fp8"}, "'quantization_config' must be an object"),
         ({"quantization_config": ["fp8"]}, "'quantization_config' must be an object"),
         ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),

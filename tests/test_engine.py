@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
-from collections import deque
 
 import numpy as np
 import pytest
@@ -54,7 +54,7 @@ def test_one_compilation_per_bucket(tiny, rng):
     prompts = [rng.integers(0, 512, n).tolist() for n in (5, 30, 12)]
     engine, _ = _run(tiny, prompts, max_num_batched_tokens=16, log=logs.append)
     buckets = engine.stats.buckets
-    assert len(set(buckets)) == len(buckets) == engine._step_fn._cache_size()
+    assert len(set(buckets)) == len(buckets) == len(engine.runner.programs)
     assert sum("compiled bucket" in m for m in logs) == len(buckets)
     assert any("tok/s" in m for m in logs)
 
@@ -226,7 +226,7 @@ def test_ragged_workload_compiles_at_most_8_programs(rng):
     engine.generate([Request(p, int(n)) for p, n in zip(prompts, new_tokens, strict=True)])
     assert len(engine.stats.buckets) <= 8
     assert set(engine.stats.buckets) <= set(engine.step_shapes())
-    assert engine._step_fn._cache_size() == len(engine.stats.buckets)
+    assert len(engine.runner.programs) == len(engine.stats.buckets)
 
 
 def test_decodes_run_before_prompt_chunks(tiny):
@@ -236,8 +236,9 @@ def test_decodes_run_before_prompt_chunks(tiny):
     decode.output_ids, decode.num_computed = [5], 3
     for req in (prompt, decode):
         req.block_ids = np.asarray(engine.allocator.allocate(2))
-    batch = engine._schedule([prompt, decode], deque())
-    assert batch == [(decode, 1), (prompt, 7)]
+    engine.scheduler.running += [prompt, decode]
+    batch = engine.scheduler.schedule()
+    assert [(entry.request, entry.count) for entry in batch] == [(decode, 1), (prompt, 7)]
 
 
 def test_preemption_recomputes_the_same_tokens(tiny, rng):
@@ -260,3 +261,35 @@ def test_preemption_recomputes_the_same_tokens(tiny, rng):
     assert roomy.stats.preemptions == 0 and tight.stats.preemptions > 0
     assert got == want and all(len(out) == 40 for out in got)
     assert tight.allocator.num_free == 6
+
+
+def test_async_scheduling_gives_the_sync_tokens(tiny, rng):
+    """Launching step n+1 before step n's tokens are read changes nothing a request sees:
+    pending tokens reach the next step on the device, a request that ends on EOS is cut at
+    the same token (the extra step's token dropped), preemption included."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 33, 9, 20)]
+
+    def run(async_scheduling, eos=()):
+        engine = Engine(
+            tiny,
+            EngineConfig(
+                num_blocks=6,
+                max_num_batched_tokens=64,
+                impl="reference",
+                async_scheduling=async_scheduling,
+            ),
+            log=lambda _: None,
+        )
+        engine.model_cfg = dataclasses.replace(engine.model_cfg, eos_token_ids=eos)
+        requests = engine.generate([Request(p, 24) for p in prompts])
+        assert engine.allocator.num_free == 6
+        return engine, [r.output_ids for r in requests]
+
+    engine, want = run(False)
+    assert engine.stats.preemptions > 0
+    _, got = run(True)
+    assert got == want
+    eos = want[1][5]  # ends request 1 early (and any other that samples it)
+    _, want_eos = run(False, (eos,))
+    _, got_eos = run(True, (eos,))
+    assert got_eos == want_eos and len(want_eos[1]) <= 6

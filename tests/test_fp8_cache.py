@@ -19,6 +19,7 @@ Round trip: every element within e4m3's bound (see kernels/fp8.py),
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,8 +27,11 @@ import test_decode_kernel as bf16_tests
 from conftest import rel_err
 
 from kernels import decode, fp8, reference
+from mla_jax.attention import LayerView
 from mla_jax.cache import PAD_SLOT, cache_dtype, init_cache, write_cache
-from mla_jax.engine import EngineConfig
+from mla_jax.engine import Engine, EngineConfig, Request
+from mla_jax.tiny import tiny_checkpoint
+from mla_jax.weights import load_model
 
 OUT_TOL, LSE_TOL = 3.5e-3, 8e-6
 
@@ -180,38 +184,117 @@ def test_fp8_bad_inputs(rng):
         decode.mla_decode(**q, kv_cache=cache._replace(scales=cache.scales[..., :1]), **kw)
 
 
+def _rows(cache: fp8.Fp8Cache) -> np.ndarray:
+    """Every row ``[num_blocks * block_size, Lkv + R]`` of one layer's FP8 cache,
+    dequantized by ``reference.gather_rows`` (float32)."""
+    num_blocks, block_size = cache.shape[:2]
+    slots = num_blocks * block_size
+    return np.asarray(
+        reference.gather_rows(
+            cache,
+            jnp.arange(num_blocks, dtype=jnp.int32)[None],
+            jnp.zeros(slots, jnp.int32),
+            jnp.arange(slots),
+            jnp.ones(slots, bool),
+        ).astype(jnp.float32)
+    )
+
+
 def test_write_fp8_cache(rng):
-    """Quantized kv_c, bf16 k_pe and the scales land in the slots; padding is dropped."""
-    [cache] = init_cache(1, 5, 4, 200 + 8, "fp8", kv_lora_rank=200)
+    """Quantized kv_c, bf16 k_pe and the scales land in the slots of the layer written, in
+    all three arrays of a stacked cache; the other layers and padding are untouched."""
+    cache = init_cache(3, 5, 4, 200 + 8, "fp8", kv_lora_rank=200)
+    assert cache.kv_c.shape == (3, 5, 4, 200) and cache.k_pe.shape == (3, 5, 4, 8)
+    assert cache.scales.shape == (3, 5, 4, 2) and cache.shape == (3, 5, 4, 208)
     kv_c = _latents(rng, (4, 200)).astype(np.float32)
     k_pe = rng.standard_normal((4, 8)).astype(np.float32)
     slots = np.array([7, PAD_SLOT, 0, 19], np.int32)
-    out = write_cache(cache, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(slots))
-    values, scales = fp8.quantize(jnp.asarray(kv_c))
-    rows = np.asarray(
-        reference.gather_rows(
-            out,
-            jnp.zeros((1, 5), jnp.int32) + jnp.arange(5),
-            jnp.zeros(20, jnp.int32),
-            jnp.arange(20),
-            jnp.ones(20, bool),
-        ).astype(jnp.float32)
+    out = write_cache(
+        cache, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(slots), layer=jnp.int32(1)
     )
+    values, scales = fp8.quantize(jnp.asarray(kv_c))
+    rows = _rows(jax.tree.map(lambda part: part[1], out))
     written = np.zeros(20, bool)
     for i in (0, 2, 3):
         written[slots[i]] = True
         np.testing.assert_array_equal(rows[slots[i], :200], _dequantized(values, scales)[i])
         np.testing.assert_array_equal(rows[slots[i], 200:], jnp.asarray(k_pe[i], jnp.bfloat16))
     assert (rows[~written] == 0).all()
+    for layer in (0, 2):
+        assert (_rows(jax.tree.map(lambda part, layer=layer: part[layer], out)) == 0).all()
+    # One layer's [num_blocks, block_size] arrays, no layer axis: the same rows.
+    single = write_cache(
+        jax.tree.map(lambda part: part[0], cache),
+        jnp.asarray(kv_c),
+        jnp.asarray(k_pe),
+        jnp.asarray(slots),
+    )
+    np.testing.assert_array_equal(_rows(single), rows)
+
+
+def test_fp8_layer_view_reads_its_layer(rng):
+    """``attention.LayerView`` over a stacked FP8 cache: decoding layer l through its
+    ``[L * num_blocks, ...]`` blocks and offset block ids equals decoding layer l's own
+    arrays (the reference kernel, whose FP8 path is tested above)."""
+    (q_lat, q_pe, one_layer, table, lens), _ = _fp8_case(rng, [5, 17, 0])
+    # Layers that differ in every part (k_pe, scales) and share the unowned (NaN) rows.
+    layers = [
+        one_layer._replace(k_pe=one_layer.k_pe * (1 - layer), scales=one_layer.scales * 2**layer)
+        for layer in range(3)
+    ]
+    stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *layers)
+    for layer in range(3):
+        view = LayerView(stacked, jnp.int32(layer))
+        args = q_lat, q_pe, view.blocks, view.block_ids(jnp.asarray(table)), lens
+        got = _run(args, impl="reference", scale=0.3)
+        want = _run((q_lat, q_pe, layers[layer], table, lens), impl="reference", scale=0.3)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        assert not np.isnan(np.asarray(got[0])).any()
 
 
 def test_fp8_cache_bytes_per_token():
-    """FlashMLA's 656 bytes a token at DeepSeek's dims (bf16: 1152)."""
-    [cache] = init_cache(1, 2, 64, 576, "fp8", kv_lora_rank=512)
-    assert cache.shape == (2, 64, 576) and cache.dtype == jnp.bfloat16
-    assert sum(a.nbytes for a in cache) == 2 * 64 * 656
-    [bf16] = init_cache(1, 2, 64, 576, jnp.bfloat16)
-    assert bf16.nbytes == 2 * 64 * 1152
+    """FlashMLA's 656 bytes a token at DeepSeek's dims (bf16: 1152), per layer."""
+    cache = init_cache(2, 2, 64, 576, "fp8", kv_lora_rank=512)
+    assert cache.shape == (2, 2, 64, 576) and cache.dtype == jnp.bfloat16
+    assert sum(a.nbytes for a in cache) == 2 * 2 * 64 * 656
+    assert init_cache(2, 2, 64, 576, jnp.bfloat16).nbytes == 2 * 2 * 64 * 1152
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(tiny_checkpoint(str(tmp_path_factory.mktemp("cache") / "tiny")))[1]
+
+
+def test_engine_serves_from_an_fp8_cache(tiny, rng):
+    """The engine with its cache a pytree of three stacked arrays: a precompiled step
+    donates all three arrays (no copy), and asynchronous scheduling with preemption (4
+    requests that need 13 blocks of 16 share 6) gives the synchronous tokens. The tokens'
+    accuracy is test_hf.py's (logits against a float32 cache)."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 33, 9, 20)]
+
+    def run(async_scheduling):
+        engine = Engine(
+            tiny,
+            EngineConfig(
+                num_blocks=6,
+                max_num_batched_tokens=64,
+                impl="reference",
+                kv_cache_dtype="fp8",
+                async_scheduling=async_scheduling,
+            ),
+            log=lambda _: None,
+        )
+        first = engine.runner.cache
+        assert isinstance(first, fp8.Fp8Cache) and first.kv_c.dtype == fp8.FP8
+        engine.precompile([[(20, 1), (20, 1), (0, 20)]])
+        assert all(part.is_deleted() for part in first)  # donated, not copied
+        requests = engine.generate([Request(p, 24, ignore_eos=True) for p in prompts])
+        assert engine.allocator.num_free == 6 and engine.stats.preemptions > 0
+        return [r.output_ids for r in requests]
+
+    want = run(False)
+    got = run(True)
+    assert got == want and all(len(out) == 24 for out in got)
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int8", "float16", "fp16"])

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from mla_jax.config import MLAConfig, ModelConfig, config_to_dict
-from mla_jax.model import DeepseekModel, MoENotSupportedError
+from mla_jax.config import MLAConfig, ModelConfig, config_from_dict, config_to_dict
+from mla_jax.model import DeepseekModel
 from mla_jax.weights import WeightsError, load_model, save_checkpoint
 
 CFG = ModelConfig(
@@ -163,8 +163,42 @@ def test_no_checkpoint_files(tmp_path):
         load_model(tmp_path)
 
 
-def test_moe_layer_is_refused_by_name(tmp_path):
-    d = dict(config_to_dict(CFG), n_routed_experts=8, first_k_dense_replace=1)
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(MoENotSupportedError, match="layer 1 is a mixture-of-experts"):
+def _moe_config():
+    d = dict(
+        config_to_dict(CFG),
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=8,
+        n_shared_experts=1,
+    )
+    return config_from_dict(d)
+
+
+def test_moe_checkpoint_round_trips_per_expert(tmp_path):
+    """Layer 1 is MoE: its experts are stacked in the model and stored per expert under
+    DeepSeek's names; a save/load round trip gives back every parameter."""
+    model = DeepseekModel(_moe_config(), rngs=nnx.Rngs(5))
+    save_checkpoint(model, tmp_path)
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    loaded = _params(load_model(tmp_path)[1])
+    for name, value in _params(model).items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_missing_or_misshaped_expert_is_named(tmp_path):
+    save_checkpoint(DeepseekModel(_moe_config(), rngs=nnx.Rngs(5)), tmp_path)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    _rewrite(tmp_path, lambda t: t.pop(name))
+    with pytest.raises(WeightsError, match=f"lacks tensors: {name}"):
+        load_model(tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({name: np.ones((8, 15), np.float32)}))
+    with pytest.raises(
+        WeightsError, match=rf"{name} has shape \(8, 15\), the config needs \(8, 16\)"
+    ):
         load_model(tmp_path)

@@ -1,0 +1,364 @@
+"""Serving benchmark: the whole engine (``Engine.generate``) on DeepSeek-shaped models with
+random bf16 weights made on the GPU.
+
+Rows: decode-heavy (batch 1, 16, 64, 256 at contexts 512 and 4096), prefill-heavy, and a
+mixed ragged workload (64 requests arriving together, prompts 100-4000, 1-256 new tokens)
+with time to first token and inter-token latency. Per row: tokens/s, the decode step's wall
+time (median interval between step launches, unprofiled run), its device time (GPU kernel
+time per step from a CUPTI trace of a second run) and host time (scheduling, metadata and
+launch), the memory roofline and the ratio to it, programs compiled and compile seconds.
+A second table gives compile seconds per program against depth (2, 27, 61 layers).
+
+Decode rows start from requests whose context is already in the cache (zero rows, written
+by no prefill: the decode step reads them all the same) so that they time decode alone.
+
+    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_moe import V2_LITE as V2_LITE_MOE
+from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
+from flax import nnx
+
+from mla_jax.config import ModelConfig, preset
+from mla_jax.engine import Engine, EngineConfig, Request
+from mla_jax.model import DeepseekModel
+
+PAGE = 64
+MODELS = {
+    # DeepSeek-V2-Lite's attention with a dense MLP in place of its MoE (2.61 B parameters).
+    "v2-lite": ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        num_layers=27,
+        intermediate_size=10944,
+        max_position_embeddings=163840,
+        mla=preset("deepseek-v2-lite"),
+    ),
+    # DeepSeek-V2-Lite whole: layer 0 dense, 26 MoE layers (64 routed experts, top 6, 2 shared;
+    # 15.7 B parameters).
+    "v2-lite-moe": ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        num_layers=27,
+        intermediate_size=10944,
+        max_position_embeddings=163840,
+        mla=preset("deepseek-v2-lite"),
+        n_routed_experts=V2_LITE_MOE.n_routed_experts,
+        first_k_dense_replace=1,
+        moe=V2_LITE_MOE,
+    ),
+    # DeepSeek-V3's attention (128 heads, q LoRA 1536, hidden 7168) with its dense-layer MLP.
+    "v3": ModelConfig(
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        num_layers=24,
+        intermediate_size=18432,
+        max_position_embeddings=163840,
+        mla=preset("deepseek-v3"),
+    ),
+}
+DECODE_ROWS = [(b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)]
+DECODE_STEPS = 48
+PROFILED_STEPS = 12
+PREFILL_LEN = 4096
+MIXED_MAX_PROMPT = 4000
+
+
+def _engine_config(**overrides) -> EngineConfig:
+    base = dict(
+        block_size=PAGE,
+        num_blocks=256 * (4096 + 2 * DECODE_STEPS + PAGE) // PAGE + 64,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        workspace_size=32768,
+        max_model_len=8192,
+        impl="pallas",
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
+def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
+    """Bytes of the weights a step of ``tokens`` tokens reads: all but the embedding table (a
+    step gathers only its tokens' rows of it) and, in MoE layers, only the routed experts the
+    tokens choose: their expected number if each token picks ``k`` of ``E`` experts uniformly,
+    ``E (1 - (1 - k/E)^tokens)`` (random weights route near-uniformly)."""
+    state = nnx.state(model, nnx.Param)
+    total = sum(x.nbytes for x in jax.tree.leaves(state))
+    total -= model.embed_tokens.embedding[...].nbytes
+    moe = model.cfg.moe
+    for (_, _, is_moe), layers in zip(model.cfg.layer_runs(), model.layers, strict=True):
+        if is_moe:
+            experts = layers.mlp.experts
+            routed = experts.gate_up_proj[...].nbytes + experts.down_proj[...].nbytes
+            e, k = moe.n_routed_experts, moe.num_experts_per_tok
+            chosen = e * (1 - (1 - k / e) ** tokens)
+            total -= routed * (1 - chosen / e)
+    return total
+
+
+def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> None:
+    """``batch`` running requests, each with ``context`` tokens already in the cache and
+    ``steps`` decode steps to go, placed straight into the scheduler. Each request's token is
+    random, so that an MoE layer routes the batch's tokens to different experts."""
+    rng = np.random.default_rng(batch)
+    vocab = engine.model_cfg.vocab_size
+    for _ in range(batch):
+        ids = [1] * context + [int(rng.integers(vocab))]
+        req = Request(ids, max_new_tokens=steps, ignore_eos=True)
+        if not engine.scheduler.grow(req, context + steps + 1):
+            raise RuntimeError("the benchmark's cache is too small")
+        req.num_computed = context
+        engine.scheduler.running.append(req)
+
+
+def _device_ms_per_step(run) -> tuple[float, dict]:
+    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
+    (the ten largest), both divided by the steps ``run`` returns."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        steps = run()
+        jax.profiler.stop_trace()
+        [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    per_kernel: dict[str, float] = {}
+    for e in _gpu_kernel_events(trace):
+        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
+    total_ms = sum(per_kernel.values()) / 1e3 / steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    return total_ms, {name[:80]: round(us / 1e3 / steps, 4) for name, us in top}
+
+
+def _decode_row(engine, model_cfg, model, bandwidth, batch, context) -> dict:
+    stats = engine.stats
+    before = len(stats.step_records)
+    _decode_requests(engine, batch, context, DECODE_STEPS)
+    t0 = time.perf_counter()
+    engine.generate([])
+    wall_s = time.perf_counter() - t0
+    records = stats.step_records[before:]
+    # The first steps may compile; a steady step's wall time is the launch interval.
+    steady = records[3:]
+    step_ms = float(np.median([r.interval_s for r in steady])) * 1e3
+    host_ms = float(np.median([r.host_s for r in steady])) * 1e3
+
+    def profiled():
+        _decode_requests(engine, batch, context, PROFILED_STEPS)
+        engine.generate([])
+        return PROFILED_STEPS
+
+    device_ms, kernels = _device_ms_per_step(profiled)
+    mla = model_cfg.mla
+    kv_bytes = model_cfg.num_layers * batch * (context + DECODE_STEPS // 2) * mla.cache_width * 2
+    roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
+    return {
+        "cells": [
+            f"decode {batch} x {context}",
+            round(batch / step_ms * 1e3, 1),
+            round(step_ms, 3),
+            round(device_ms, 3),
+            round(host_ms, 3),
+            round(roofline_ms, 3),
+            round(step_ms / roofline_ms, 2),
+        ],
+        "wall_s": round(wall_s, 3),
+        "device_kernels_ms": kernels,
+    }
+
+
+def _run_requests(engine: Engine, requests: list[Request]) -> dict:
+    stats = engine.stats
+    before = dataclasses.replace(stats)
+    start = time.perf_counter()
+    engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    compile_s = stats.compile_s - before.compile_s
+    run_s = elapsed - compile_s
+    prompt = stats.prompt_tokens - before.prompt_tokens
+    generated = stats.generated_tokens - before.generated_tokens
+    ttft = [r.token_times[0] - start for r in requests]
+    itl = np.concatenate([np.zeros(0)] + [np.diff(r.token_times) for r in requests])
+    return dict(
+        run_s=run_s,
+        prompt=prompt,
+        generated=generated,
+        ttft_ms=np.percentile(ttft, [50, 99]) * 1e3,
+        itl_ms=np.percentile(itl, [50, 99]) * 1e3 if itl.size else [np.nan, np.nan],
+    )
+
+
+def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
+    """Seconds to compile one decode and one prefill program at each depth (no cache)."""
+    rows = []
+    for depth in depths:
+        cfg = dataclasses.replace(base, num_layers=depth)
+        model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        engine = Engine(model, _engine_config(num_blocks=512), log=lambda _: None)
+        engine.precompile([[(100, 1)] * 64, [(0, 2048)]])
+        seconds = [round(s, 2) for _, s, _ in engine.runner.compiled]
+        rows.append({"cells": [depth, *seconds]})
+        print(f"compile at {depth} layers: {seconds}", flush=True)
+        del engine, model
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
+    ap.add_argument("--layers", type=int, help="override the model's depth")
+    ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
+    ap.add_argument("--rows", default="decode,prefill,mixed")
+    ap.add_argument("--decode-rows", help="e.g. 64x512,256x4096 (default: all)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    model_cfg = MODELS[args.model]
+    if args.layers:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
+    bandwidth = copy_bandwidth().gbs
+    model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    weight_bytes = _weight_bytes(model, 1)
+    engine = Engine(model, _engine_config(), log=print)
+    print(
+        f"{args.model}: {model_cfg.num_layers} layers, {weight_bytes / 1e9:.2f} GB of weights "
+        f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
+        flush=True,
+    )
+    rows, kinds = [], args.rows.split(",")
+    if "decode" in kinds:
+        decode_rows = DECODE_ROWS
+        if args.decode_rows:
+            decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+        for batch, context in decode_rows:
+            row = _decode_row(engine, model_cfg, model, bandwidth, batch, context)
+            print(row, flush=True)
+            rows.append(row)
+    rng = np.random.default_rng(0)
+    vocab = model_cfg.vocab_size
+    if "prefill" in kinds:
+        requests = [Request(rng.integers(0, vocab, PREFILL_LEN).tolist(), 1) for _ in range(32)]
+        r = _run_requests(engine, requests)
+        rows.append(
+            {
+                "cells": [
+                    f"prefill 32 x {PREFILL_LEN}",
+                    round(r["prompt"] / r["run_s"], 1),
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            }
+        )
+        print(rows[-1], r, flush=True)
+    mixed = None
+    if "mixed" in kinds:
+        prompts = [
+            rng.integers(0, vocab, n).tolist() for n in rng.integers(100, MIXED_MAX_PROMPT + 1, 64)
+        ]
+        new = rng.integers(1, 257, 64)
+        requests = [Request(p, int(n), ignore_eos=True) for p, n in zip(prompts, new, strict=True)]
+        r = _run_requests(engine, requests)
+        mixed = {
+            "tokens_per_s": round((r["prompt"] + r["generated"]) / r["run_s"], 1),
+            "ttft_ms_p50_p99": [round(float(x), 1) for x in r["ttft_ms"]],
+            "itl_ms_p50_p99": [round(float(x), 2) for x in r["itl_ms"]],
+        }
+        rows.append(
+            {
+                "cells": [
+                    "mixed: 64 requests, prompts 100-4000, 1-256 new",
+                    mixed["tokens_per_s"],
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ],
+                **mixed,
+            }
+        )
+        print(rows[-1], flush=True)
+    stats = engine.stats.as_dict()
+    name = f"serve_{args.model}"
+    moe = model_cfg.moe
+    mlp = f"dense MLP {model_cfg.intermediate_size}"
+    if moe:
+        mlp = (
+            f"layer 0 dense MLP {model_cfg.intermediate_size}, then MoE ({moe.n_routed_experts} "
+            f"routed experts of width {moe.moe_intermediate_size}, top "
+            f"{moe.num_experts_per_tok}, {moe.n_shared_experts} shared; Pallas grouped matmul)"
+        )
+    notes = [
+        f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
+        f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
+        f"random bf16 weights, page {PAGE}, Pallas kernels, asynchronous scheduling.",
+        "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
+        "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
+        "metadata + launch per step.",
+        f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
+        "the embedding table"
+        + (
+            "; in MoE layers only the routed experts the batch chooses, their expected number "
+            "under uniform routing"
+            if moe
+            else ""
+        )
+        + f" + every KV row read) / copy bandwidth ({bandwidth:.0f} GB/s, same run).",
+        f"Programs compiled: {stats['programs']} in {stats['compile_s']:.1f} s "
+        "(no persistent cache).",
+    ]
+    if mixed:
+        notes.append(
+            f"Mixed workload: time to first token p50/p99 {mixed['ttft_ms_p50_p99']} ms, "
+            f"inter-token latency p50/p99 {mixed['itl_ms_p50_p99']} ms."
+        )
+    save(
+        name,
+        f"Serving: {args.model}-shaped model through Engine.generate",
+        [
+            "workload",
+            "tokens/s",
+            "step wall ms",
+            "device ms",
+            "host ms",
+            "roofline ms",
+            "wall / roofline",
+        ],
+        rows,
+        notes,
+        extra={"model": dataclasses.asdict(model_cfg), "stats": stats, "machine": machine()},
+        out_dir=args.out,
+    )
+    depths = [int(d) for d in args.compile_depths.split(",") if d]
+    if depths:
+        del engine, model
+        save(
+            f"compile_{args.model}",
+            f"Compile seconds per program against depth ({args.model}-shaped)",
+            ["layers", "decode 64 program s", "prefill 2048 program s"],
+            _compile_depths(model_cfg, depths),
+            [
+                "Layers are stacked and run by a lax.scan: XLA compiles one layer. No persistent "
+                "compilation cache."
+            ],
+            out_dir=args.out,
+        )
+
+
+if __name__ == "__main__":
+    main()
