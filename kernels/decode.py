@@ -53,6 +53,16 @@ class DecodeConfig(NamedTuple):
     # Where an item's last, partial step is masked: False, in every step of one loop; True,
     # full steps unmasked and the last one in a branch (see default_config).
     split_tail: bool = False
+    # Load step j + 1's tiles before step j's math, carried in registers, instead of leaving
+    # the overlap to Triton's pipeliner (which may not pipeline loads that are converted
+    # before their dot, as an FP8 cache's are). Needs split_tail False (one masked loop).
+    prefetch: bool = False
+    # FP8 cache only: what its e4m3 tiles are converted to for the latent dots (queries and
+    # probabilities too). bfloat16: exact, the queries' own dtype. float16: also exact for
+    # e4m3 values, converted in one instruction per two values where bf16 takes several,
+    # but queries round to float16 (10 mantissa bits; |q| must stay below 65504) and
+    # probabilities x scales below 2^-14 lose precision (float16's subnormals).
+    fp8_compute: str = "bfloat16"
 
 
 def padded_heads(num_heads: int) -> int:
@@ -198,13 +208,12 @@ def _load_keys(
     num_lat: int,
     rope: int,
     rope_tile: int,
-    dtype: jnp.dtype,
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array | None, ...], jax.Array]:
-    """The keys of cache ``rows``: per latent group a ``[len(rows), tile]`` tile in ``dtype``
+    """The keys of cache ``rows`` as stored: per latent group a ``[len(rows), tile]`` tile
     and its ``[len(rows)]`` float32 scales (None for an unscaled cache), and the
     ``[len(rows), rope_tile]`` k_pe tile. ``cache_refs``: ``(kv,)`` rows ``concat(kv_c,
-    k_pe)``, or an FP8 cache's ``(kv_c, k_pe, scales)``; an FP8 tile is converted to ``dtype``
-    in registers (exact) and its scale is left for the caller to apply to scores and
+    k_pe)``, or an FP8 cache's ``(kv_c, k_pe, scales)``, whose float8_e4m3fn tiles the
+    caller converts in registers (exact) and whose scales it applies to scores and
     probabilities."""
     if len(cache_refs) == 1:
         (kv_ref,) = cache_refs
@@ -212,9 +221,7 @@ def _load_keys(
         kv_c = _row_columns(kv_ref, rows, 0, num_lat, group.tile)
         return (kv_c,), (None,), _row_columns(kv_ref, rows, num_lat, rope, rope_tile)
     kv_c_ref, k_pe_ref, scales_ref = cache_refs
-    kv_c = tuple(
-        _row_columns(kv_c_ref, rows, g.first, g.count, g.tile).astype(dtype) for g in groups
-    )
+    kv_c = tuple(_row_columns(kv_c_ref, rows, g.first, g.count, g.tile) for g in groups)
     scales = tuple(scales_ref[rows, i] for i in range(len(groups)))
     return kv_c, scales, _row_columns(k_pe_ref, rows, 0, rope, rope_tile)
 
@@ -241,19 +248,29 @@ def _decode_kernel(
     num_lat: int,
     rope: int,
     split_tail: bool,
+    prefetch: bool,
+    fp8_compute: str,
 ):
     """One program x one block of heads: online softmax over each of its items. Queries
     and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns).
     ``refs``: the cache refs (see ``_load_keys``), then out, lse, o_part and lse_part."""
     cache_refs, (out_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
-    groups = _latent_groups(num_lat, quantized=len(cache_refs) > 1)
+    quantized = len(cache_refs) > 1
+    groups = _latent_groups(num_lat, quantized=quantized)
+    # The latent dots' dtype: the queries' (bf16 or float32), or fp8_compute over FP8 tiles.
+    lat_dtype = jnp.dtype(fp8_compute) if quantized else q_pe_ref.dtype
     h, p = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(h * block_h, block_h)
     rope_tile = q_pe_ref.shape[-1]
+    load_keys = functools.partial(
+        _load_keys, cache_refs, groups=groups, num_lat=num_lat, rope=rope, rope_tile=rope_tile
+    )
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
-        q_lat = tuple(q_lat_ref[req, heads, pl.ds(g.first, g.tile)] for g in groups)
+        q_lat = tuple(
+            q_lat_ref[req, heads, pl.ds(g.first, g.tile)].astype(lat_dtype) for g in groups
+        )
         q_pe = q_pe_ref[req, heads, :]
         # Tokens past the item's end read its last token instead, a row the request owns:
         # no block-table entry or cache row outside [0, seq_len) is touched, and their scores
@@ -262,24 +279,21 @@ def _decode_kernel(
         last_page = last // block_size
         last_row = block_table_ref[req, last_page] * block_size + last % block_size
 
-        def step(j, state, *, masked: bool):
-            """``block_k`` tokens from ``start + j * block_k``; unmasked steps lie inside
-            ``[start, end)``."""
-            tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        def tokens(j):
+            return start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+
+        def rows(j, *, masked: bool):
+            """Cache rows of step j's tokens; unmasked steps lie inside ``[start, end)``."""
+            tok = tokens(j)
             if masked:
                 page = block_table_ref[req, jnp.minimum(tok // block_size, last_page)]
-                rows = jnp.where(tok < end, page * block_size + tok % block_size, last_row)
-            else:
-                rows = block_table_ref[req, tok // block_size] * block_size + tok % block_size
-            kv_c, kv_scales, k_pe = _load_keys(
-                cache_refs,
-                rows,
-                groups,
-                num_lat=num_lat,
-                rope=rope,
-                rope_tile=rope_tile,
-                dtype=q_pe.dtype,
-            )
+                return jnp.where(tok < end, page * block_size + tok % block_size, last_row)
+            return block_table_ref[req, tok // block_size] * block_size + tok % block_size
+
+        def attend(j, state, keys, *, masked: bool):
+            """Folds step j's ``block_k`` tokens (their loaded ``keys``) into ``state``."""
+            kv_c, kv_scales, k_pe = keys
+            kv_c = tuple(tile.astype(lat_dtype) for tile in kv_c)
             s = functools.reduce(
                 operator.add,
                 (
@@ -290,12 +304,25 @@ def _decode_kernel(
             s += online_softmax.dot(q_pe, k_pe, trans_b=True)
             s *= scale * online_softmax.LOG2E
             if masked:
-                s = jnp.where((tok < end)[None, :], s, -jnp.inf)
+                s = jnp.where((tokens(j) < end)[None, :], s, -jnp.inf)
             return online_softmax.update(state, s, kv_c, kv_scales)
+
+        def step(j, state, *, masked: bool):
+            return attend(j, state, load_keys(rows(j, masked=masked)), masked=masked)
+
+        def prefetched_step(j, carry):
+            """Step j on the keys loaded by step j - 1, loading step j + 1's (past the end:
+            the last row, masked)."""
+            state, keys = carry
+            next_keys = load_keys(rows(j + 1, masked=True))
+            return attend(j, state, keys, masked=True), next_keys
 
         state = online_softmax.init(block_h, tuple(g.tile for g in groups))
         num_steps = pl.cdiv(end - start, block_k)
-        if split_tail:
+        if prefetch:
+            first_keys = load_keys(rows(0, masked=True))
+            state, _ = jax.lax.fori_loop(0, num_steps, prefetched_step, (state, first_keys))
+        elif split_tail:
             # A branch, not a second loop: Triton gives every loop its own pipeline.
             num_full = (end - start) // block_k
             state = jax.lax.fori_loop(0, num_full, functools.partial(step, masked=False), state)
@@ -485,6 +512,12 @@ def mla_decode(
     config = config or default_config(n, b)
     _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
+    if config.prefetch and config.split_tail:
+        raise ValueError("config.prefetch needs split_tail False (it runs one masked loop)")
+    if config.fp8_compute not in ("bfloat16", "float16"):
+        raise ValueError(
+            f"config.fp8_compute {config.fp8_compute!r} must be 'bfloat16' or 'float16'"
+        )
     if interpret is None:
         interpret = online_softmax.interpret_default()
     config = config._replace(
@@ -533,6 +566,8 @@ def _mla_decode(
             num_lat=lkv,
             rope=rope,
             split_tail=config.split_tail,
+            prefetch=config.prefetch,
+            fp8_compute=config.fp8_compute,
         ),
         grid=(heads // config.block_h, num_programs),
         out_shape=(

@@ -1,13 +1,14 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
 TFLOP/s (2 x N x context x (576 + 512)), the copy bandwidth measured in the same run, and the
 reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels.fp8``: 656 B
 a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
-``--sweep`` times kernel variants instead (written only under --out).
+``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
+the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
 """
 
 from __future__ import annotations
@@ -135,16 +136,56 @@ SWEEP = {
     ],
     128: [{}, dict(num_stages=2), dict(block_k=32, num_stages=4), dict(block_h=32, num_warps=4)],
 }
-# The same over the FP8 cache (each on top of the default the bf16 cache uses).
-SWEEP_FP8 = {
-    16: [{}, dict(block_k=128), dict(num_stages=3), dict(programs_per_sm=3), dict(num_warps=8)],
-    128: [{}, dict(num_stages=2), dict(block_h=32, num_warps=4)],
-}
+# The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
+# 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower), each variant on top of the
+# default config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
+# pipelining is worth: if bf16 without it is as slow as FP8, FP8's loads are likely not
+# pipelined (they are converted before their dot), which ``prefetch`` works around.
+# split_tail=False where prefetch needs it (the N = 128 default has it on).
+FP8_SWEEP_CASES = ((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",)))
+FP8_SWEEP_BF16 = [{}, dict(num_stages=1), dict(prefetch=True, split_tail=False)]
+FP8_SWEEP = [
+    {},
+    dict(num_stages=1),
+    dict(num_stages=3),
+    dict(prefetch=True, split_tail=False),
+    dict(prefetch=True, split_tail=False, block_k=32),
+    dict(prefetch=True, split_tail=False, num_warps=8),
+    dict(fp8_compute="float16"),
+    dict(fp8_compute="float16", prefetch=True, split_tail=False),
+]
+
+
+def _fp8_trials(rng) -> list:
+    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label from CASES."""
+    lens_of = dict(CASES)
+    return [
+        (
+            {"case": label, "N": n, "cache": cache},
+            variant,
+            lambda label=label, n=n, variant=variant, cache=cache: _case(
+                rng,
+                label,
+                lens_of[label],
+                n,
+                variant,
+                with_reference=cache == "fp8",  # the error of float16 conversion
+                quantized=cache == "fp8",
+            ),
+        )
+        for n, labels in FP8_SWEEP_CASES
+        for label in labels
+        for cache, variants in (("bf16", FP8_SWEEP_BF16), ("fp8", FP8_SWEEP))
+        for variant in variants
+    ]
 
 
 def main():
     args = parse_args(__doc__)
     rng = np.random.default_rng(0)
+    if args.sweep == "fp8":
+        sweep("decode_fp8", _fp8_trials(rng), args.out)
+        return
     if args.sweep:
         trials = [
             (
@@ -157,17 +198,6 @@ def main():
             for n, cases in ((16, CASES[:3]), (128, CASES[2:3]))
             for label, lens in cases
             for v in SWEEP[n]
-        ] + [
-            (
-                {"case": label, "N": n, "cache": "fp8"},
-                v,
-                lambda label=label, lens=lens, n=n, v=v: _case(
-                    rng, label, lens, n, v, with_reference=False, quantized=True
-                ),
-            )
-            for n, cases in ((16, CASES[2:4]), (128, CASES[2:3]))
-            for label, lens in cases
-            for v in SWEEP_FP8[n]
         ]
         sweep("decode", trials, args.out)
         return
