@@ -1,6 +1,10 @@
 """MLA attention kernels and the MoE grouped matmul: Pallas (Triton lowering on GPU, interpret
 mode elsewhere) and their pure-jnp references, behind one selector, plus the host-side plan
-the Pallas kernels' schedules are built with."""
+the Pallas kernels' schedules are built with.
+
+Each kernel can be called on its own: the README's Kernels section gives their shapes,
+dtypes, the LSE layout and the block-table contract, with a snippet for each that runs as it
+is (``tests/test_readme.py``)."""
 
 from __future__ import annotations
 
@@ -34,10 +38,13 @@ PALLAS = KernelSet(
 )
 
 
-def select(impl: str = "auto") -> KernelSet:
+def select(impl: str | KernelSet = "auto") -> KernelSet:
     """``"pallas"``: the Pallas kernels (compiled through Triton on GPUs, interpreted
     elsewhere); ``"reference"``: the pure-jnp references; ``"auto"``: Pallas on GPUs, the
-    references elsewhere (interpret mode is for tests, not speed)."""
+    references elsewhere (interpret mode is for tests, not speed); a ``KernelSet`` (e.g.
+    ``mla_jax.sharding.sharded_kernels``) is used as it is."""
+    if isinstance(impl, KernelSet):
+        return impl
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl == "pallas":

@@ -51,13 +51,15 @@ def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
     jit). Few rows per group (decode: batch x top-k spread over the experts) is a stream of
     weights: 16-row tiles, so that one tile covers an expert's tokens and its weights are read
     once, with deep K steps and a deep pipeline. Many rows (prefill) is compute: 128 x 128
-    tiles. Not yet tuned on a GPU (``scripts/bench_moe.py --sweep`` times the variants)."""
+    tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py --sweep``'s prefill variants
+    on an H200, 2026-11-22: 468 TFLOP/s against 441 for 128 wide; its decode variants were
+    within 3% of each other)."""
     rows_per_group = num_rows / max(num_groups, 1)
     if rows_per_group <= 16:
         return GroupedMatmulConfig(16, 128, 128, num_warps=4, num_stages=4)
     if rows_per_group <= 64:
         return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=4)
-    return GroupedMatmulConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return GroupedMatmulConfig(128, 256, 64, num_warps=8, num_stages=3)
 
 
 @jax.tree_util.register_dataclass
@@ -105,22 +107,24 @@ def _grouped_matmul_kernel(
     tile_group_ref,
     tile_start_ref,
     tile_end_ref,
+    group_offset_ref,
     lhs_ref,
     rhs_ref,
     out_ref,
     *,
+    num_groups: int,
     block_m: int,
     block_n: int,
     block_k: int,
 ):
     """One row tile x ``block_n`` output columns."""
     j, t = pl.program_id(0), pl.program_id(1)
-    num_groups, depth, width = rhs_ref.shape
+    _, depth, width = rhs_ref.shape
     g, r0, r1 = tile_group_ref[t], tile_start_ref[t], tile_end_ref[t]
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
     # store zeros where they own rows; no weight of any group is read for them.
     has_group = (g < num_groups) & (r0 < r1)
-    g = jnp.minimum(g, num_groups - 1)
+    g = group_offset_ref[0] + jnp.minimum(g, num_groups - 1)
     rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
     row_ok = rows < r1
     n0 = j * block_n
@@ -166,17 +170,28 @@ def _grouped_matmul_kernel(
     )
 
 
-def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
+def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset) -> None:
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"lhs {lhs.shape} must be [M, K] and rhs {rhs.shape} [G, K, N]")
     if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(
             f"lhs and rhs must both be bfloat16 or float32, got {lhs.dtype}, {rhs.dtype}"
         )
-    if group_sizes.shape != (rhs.shape[0],) or group_sizes.dtype != jnp.int32:
+    if (
+        group_sizes.ndim != 1
+        or not 1 <= group_sizes.shape[0] <= rhs.shape[0]
+        or group_sizes.dtype != jnp.int32
+    ):
         raise ValueError(
-            f"group_sizes must be int32 [{rhs.shape[0]}], got {group_sizes.dtype}"
-            f"{list(group_sizes.shape)}"
+            f"group_sizes must be int32 [G] with G <= {rhs.shape[0]} (rhs's groups), got "
+            f"{group_sizes.dtype}{list(group_sizes.shape)}"
+        )
+    if not isinstance(group_offset, jax.core.Tracer) and not (
+        0 <= int(group_offset) <= rhs.shape[0] - group_sizes.shape[0]
+    ):
+        raise ValueError(
+            f"group_offset {int(group_offset)} puts {group_sizes.shape[0]} groups past rhs's "
+            f"{rhs.shape[0]}"
         )
     if min(rhs.shape) < 1:
         raise ValueError(f"rhs {rhs.shape}: groups, K and N must be >= 1")
@@ -194,6 +209,7 @@ def grouped_matmul(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    group_offset: int | jax.Array = 0,
     schedule: TileSchedule | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool | None = None,
@@ -202,8 +218,12 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` rows sorted by group (bf16 or f32).
-      rhs: ``[G, K, N]`` one ``[K, N]`` matrix per group, lhs's dtype.
-      group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M.
+      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype; group g's rows
+        multiply ``rhs[group_offset + g]``.
+      group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
+      group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
+        A stacked model passes every layer's experts (``[L * E, K, N]``, a free reshape) and
+        ``layer * E``: slicing one layer's experts out under a scan would copy them each step.
       schedule: the row tiles (``plan``; its ``block_m`` wins); None plans them on the
         device, up to the static bound ``max_tiles``.
       config: launch parameters (default: ``default_config(M, G)``); block sizes larger than
@@ -213,13 +233,16 @@ def grouped_matmul(
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
       of group g, 0 for the rows after the last group.
     """
-    _check(lhs, rhs, group_sizes)
+    _check(lhs, rhs, group_sizes, group_offset)
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config or default_config(lhs.shape[0], rhs.shape[0])
+    config = config or default_config(lhs.shape[0], group_sizes.shape[0])
     if schedule is not None:
         config = config._replace(block_m=schedule.block_m)
-    return _grouped_matmul(lhs, rhs, group_sizes, schedule, config=config, interpret=interpret)
+    group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    return _grouped_matmul(
+        lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret
+    )
 
 
 def _fit(block: int, dim: int) -> int:
@@ -229,9 +252,10 @@ def _fit(block: int, dim: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _grouped_matmul(lhs, rhs, group_sizes, schedule, *, config, interpret):
+def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, interpret):
     m, k = lhs.shape
-    num_groups, _, n = rhs.shape
+    num_groups = group_sizes.shape[0]
+    n = rhs.shape[2]
     block_n, block_k = _fit(config.block_n, n), _fit(config.block_k, k)
     if schedule is None:
         schedule = plan(
@@ -246,9 +270,13 @@ def _grouped_matmul(lhs, rhs, group_sizes, schedule, *, config, interpret):
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
     lhs = online_softmax.pad_to(lhs, (rows, max(k, _MIN_TILE)))
-    rhs = online_softmax.pad_to(rhs, (num_groups, max(k, _MIN_TILE), max(n, _MIN_TILE)))
+    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, _MIN_TILE), max(n, _MIN_TILE)))
     kernel = functools.partial(
-        _grouped_matmul_kernel, block_m=block_m, block_n=block_n, block_k=block_k
+        _grouped_matmul_kernel,
+        num_groups=num_groups,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
     )
     out = pl.pallas_call(
         kernel,
@@ -259,5 +287,5 @@ def _grouped_matmul(lhs, rhs, group_sizes, schedule, *, config, interpret):
         ),
         interpret=interpret,
         name="grouped_matmul",
-    )(schedule.tile_group, schedule.tile_start, schedule.tile_end, lhs, rhs)
+    )(schedule.tile_group, schedule.tile_start, schedule.tile_end, group_offset, lhs, rhs)
     return out[:m, :n]

@@ -173,6 +173,7 @@ def grouped_matmul(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    group_offset: int | jax.Array = 0,
     schedule=None,
     config=None,
 ) -> jax.Array:
@@ -180,8 +181,9 @@ def grouped_matmul(
     GPUs it lowers to a dense matmul over every group, so the Pallas kernel runs there).
 
     Args:
-      lhs: ``[M, K]`` rows sorted by group; rhs: ``[G, K, N]``, lhs's dtype.
-      group_sizes: ``[G]`` int32 rows per group, summing to at most M.
+      lhs: ``[M, K]`` rows sorted by group; rhs: ``[G', K, N]``, lhs's dtype.
+      group_sizes: ``[G]`` int32 rows per group, summing to at most M; G <= G'.
+      group_offset: group g's rows multiply ``rhs[group_offset + g]`` (int32, may be traced).
       schedule, config: the Pallas kernel's tile plan and launch parameters; ignored here.
 
     Returns:
@@ -189,6 +191,7 @@ def grouped_matmul(
       rows after the last group.
     """
     del schedule, config
+    rhs = jax.lax.dynamic_slice_in_dim(rhs, group_offset, group_sizes.shape[0])
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     out = jax.lax.ragged_dot(
         lhs, rhs, group_sizes, precision=precision, preferred_element_type=jnp.float32

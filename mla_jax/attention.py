@@ -1,6 +1,7 @@
 """The MLA attention module (Flax NNX) over a paged latent cache.
 
-One call runs a step of flattened tokens (decodes first, then prefills; see metadata.py):
+One call runs a step of flattened tokens, packed in request order (``packing.py``: the module
+lays them out) or in the bucket layout (decodes first, then prefills; see metadata.py):
 
     q_c = rmsnorm(x @ W_DQ);  q = q_c @ W_UQR  -> q_nope [T,N,P], q_pe [T,N,R]
     kv = x @ W_DKV_KR;  kv_c = rmsnorm(kv[:, :Lkv]);  k_pe = kv[:, Lkv:]
@@ -23,9 +24,11 @@ import kernels
 from kernels.fp8 import Fp8Cache
 
 from .cache import write_cache
+from .checks import check_hidden, check_packed, check_step
 from .config import MLAConfig
 from .layers import RMSNorm, linear, matmul_precision
 from .metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from .packing import PackedMetadata
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -66,7 +69,7 @@ class MLAAttention(nnx.Module):
         self,
         x: jax.Array,
         cache: jax.Array | Fp8Cache,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | PackedMetadata,
         *,
         layer: int | jax.Array | None = None,
         impl: str = "auto",
@@ -74,18 +77,33 @@ class MLAAttention(nnx.Module):
         """One step.
 
         Args:
-          x: ``[T, H]`` hidden states, laid out as ``metadata`` says.
+          x: ``[T, H]`` hidden states. With ``PackedMetadata`` (``packing.packed_metadata``),
+            the step's tokens packed in its requests' order, then up to its bucket of
+            padding rows; with ``AttentionMetadata``, the bucket layout it describes
+            (decodes first, ``T = metadata.num_tokens``), as the engine passes them.
           cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache, or with
-            ``layer``, every layer's ``[L, num_blocks, block_size, Lkv + R]``; or an
-            ``Fp8Cache`` of the same leading axes (written quantized, read dequantized).
+            ``layer``, every layer's ``[L, num_blocks, block_size, Lkv + R]``; bfloat16 or
+            float32, the geometry ``metadata`` was built for; or an ``Fp8Cache`` of the same
+            leading axes (written quantized, read dequantized).
           metadata: the step's metadata (device arrays).
           layer: this layer's index into a stacked ``cache`` (may be traced, as in a scan
             over layers); the block ids of ``metadata`` are those of one layer.
-          impl: kernels to use (``kernels.select``).
+          impl: kernels to use (``kernels.select``); the Pallas kernels need metadata
+            built with their schedules.
 
         Returns:
-          ``[T, H]`` attention output (x's dtype) and the updated cache (its shape).
+          ``[T, H]`` attention output (x's dtype, x's layout; padding rows 0) and the
+          updated cache (its shape).
         """
+        if isinstance(metadata, PackedMetadata):
+            check_hidden(self.cfg, x)
+            check_packed(x, metadata)
+            y, cache = self(
+                metadata.to_buckets(x), cache, metadata.attention, layer=layer, impl=impl
+            )
+            return metadata.from_buckets(y, x.shape[0]), cache
+        kernel_set = kernels.select(impl)
+        check_step(self.cfg, x, cache, metadata, layer=layer, kernel_set=kernel_set)
         c = self.cfg
         t = x.shape[0]
         if c.q_lora_rank is None:
@@ -104,7 +122,6 @@ class MLAAttention(nnx.Module):
         cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping, layer=layer)
         layers = LayerView(cache, layer)
 
-        kernel_set = kernels.select(impl)
         num_decodes = metadata.num_decode_tokens
         outs = []
         if metadata.decode is not None:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import sharding
 from .cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
 from .config import ModelConfig
 from .metadata import Buckets, StepShape
@@ -51,6 +52,8 @@ class EngineConfig:
     impl: str = "auto"  # kernels.select
     # Launch step n+1 before reading step n's tokens (host work overlaps the device's).
     async_scheduling: bool = True
+    # Devices the heads, MLP columns, vocabulary and experts are split across (sharding.py).
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         for name in (
@@ -58,6 +61,7 @@ class EngineConfig:
             "num_blocks",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "tensor_parallel",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -179,6 +183,10 @@ class Engine:
                 f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
             )
         self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
+        mesh = None
+        if cfg.tensor_parallel > 1:
+            sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
+            mesh = sharding.make_mesh(cfg.tensor_parallel)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.scheduler = Scheduler(
             self.allocator,
@@ -205,6 +213,7 @@ class Engine:
             + self.buckets.prefills(cfg.prefill_slots),
             impl=cfg.impl,
             seed=seed,
+            mesh=mesh,
         )
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()

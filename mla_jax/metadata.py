@@ -171,6 +171,14 @@ class AttentionMetadata:
     logits_indices: np.ndarray  # [Bd + Bp] int32: the last token of each request
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    # The cache geometry the block ids were checked against (the module checks its cache).
+    block_size: int = dataclasses.field(metadata={"static": True})
+    num_blocks: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the padded token axis (the step's token bucket)."""
+        return self.positions.shape[0]
 
     @property
     def num_decode_tokens(self) -> int:
@@ -312,6 +320,8 @@ def build_metadata(
         logits_indices=logits_indices,
         decode=decode,
         prefill=prefill,
+        block_size=block_size,
+        num_blocks=num_blocks,
     )
 
 
@@ -366,7 +376,9 @@ def _pad_table(
     return out
 
 
-def _validate(context_lens, query_lens, block_table, block_size, num_blocks):
+def _validate(context_lens, query_lens, block_table, block_size, num_blocks, *, decodes_first=True):
+    """The checks of ``build_metadata``, errors naming requests by their index here;
+    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``)."""
     ctx = np.asarray(context_lens)
     qlen = np.asarray(query_lens)
     bt = np.asarray(block_table)
@@ -386,7 +398,8 @@ def _validate(context_lens, query_lens, block_table, block_size, num_blocks):
     ctx, qlen = ctx.astype(np.int64), qlen.astype(np.int64)
     is_decode = qlen == 1
     nd = int(np.count_nonzero(is_decode))
-    _check(is_decode[:nd], "decode requests (query_len 1) must come before prefills", qlen)
+    if decodes_first:
+        _check(is_decode[:nd], "decode requests (query_len 1) must come before prefills", qlen)
     needed = -(-(ctx + qlen) // block_size)
     _check(
         needed <= bt.shape[1],

@@ -23,6 +23,9 @@ from .layers import MLP, RMSNorm, linear, matmul_precision
 from .metadata import AttentionMetadata
 from .moe import MoE
 
+# The routed experts' parameters (``mlp.experts.*``; not ``mlp.shared_experts``).
+_ROUTED_EXPERTS = nnx.PathContains("experts")
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, param_dtype, rngs: nnx.Rngs):
@@ -37,11 +40,14 @@ class DecoderLayer(nnx.Module):
                 cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
             )
 
-    def __call__(self, x, cache, md: AttentionMetadata, *, layer, impl: str):
+    def __call__(self, x, cache, md: AttentionMetadata, *, layer, layer_in_run, impl: str):
+        """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
+        in its run (its routed experts, which the scan passes for the whole run)."""
         h, cache = self.self_attn(self.input_layernorm(x), cache, md, layer=layer, impl=impl)
         x = x + h
         h = self.post_attention_layernorm(x)
-        h = self.mlp(h, impl=impl) if isinstance(self.mlp, MoE) else self.mlp(h)
+        moe = isinstance(self.mlp, MoE)
+        h = self.mlp(h, impl=impl, layer=layer_in_run) if moe else self.mlp(h)
         return x + h, cache
 
 
@@ -95,15 +101,22 @@ class DeepseekModel(nnx.Module):
             )
         md = jax.tree.map(jnp.asarray, md)  # NumPy arrays cannot be indexed by the scan's tracers
         x = self.embed_tokens(input_ids)
-        for (first, _, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
-            graphdef, state = nnx.split(layers)
+        for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
+            # The routed experts stay whole (indexed in place by the grouped matmul); the
+            # scan slices the rest layer by layer.
+            graphdef, experts, state = nnx.split(layers, _ROUTED_EXPERTS, ...)
 
-            def layer_step(carry, layer_state, graphdef=graphdef):
-                x, cache, layer = carry
-                x, cache = nnx.merge(graphdef, layer_state)(x, cache, md, layer=layer, impl=impl)
-                return (x, cache, layer + 1), None
+            def layer_step(carry, scanned, graphdef=graphdef, experts=experts, first=first):
+                x, cache = carry
+                layer_in_run, layer_state = scanned
+                x, cache = nnx.merge(graphdef, experts, layer_state)(
+                    x, cache, md, layer=first + layer_in_run, layer_in_run=layer_in_run, impl=impl
+                )
+                return (x, cache), None
 
-            (x, cache, _), _ = jax.lax.scan(layer_step, (x, cache, jnp.int32(first)), state)
+            (x, cache), _ = jax.lax.scan(
+                layer_step, (x, cache), (jnp.arange(count, dtype=jnp.int32), state)
+            )
         x = self.norm(x[md.logits_indices])
         if self.cfg.tie_word_embeddings:
             embedding = self.embed_tokens.embedding[...]

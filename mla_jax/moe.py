@@ -108,6 +108,7 @@ def routed_experts(
     gate_up_proj: jax.Array,
     down_proj: jax.Array,
     *,
+    layer: int | jax.Array | None = None,
     grouped_matmul: Callable = kernels.reference.grouped_matmul,
 ) -> jax.Array:
     """Sum over each token's chosen experts of ``weight x down(silu(gate(x)) * up(x))``.
@@ -119,20 +120,32 @@ def routed_experts(
     Args:
       x: ``[T, H]``; expert_ids: ``[T, k]`` int32; weights: ``[T, k]`` float32.
       gate_up_proj: ``[E, H, 2I]`` (gate columns first); down_proj: ``[E, I, H]``; both in
-        the dtype the matmuls run in (x is cast to it).
+        the dtype the matmuls run in (x is cast to it). With ``layer``, every layer's:
+        ``[L, E, H, 2I]`` and ``[L, E, I, H]``.
+      layer: which of the stacked layers' experts to use (may be traced). The grouped matmul
+        reads them in place: slicing a layer's experts out under a scan copies them, which
+        at DeepSeek-V2-Lite's size took 20 ms a decode step (H200).
 
     Returns:
       ``[T, H]`` float32.
     """
     t, k = expert_ids.shape
-    num_experts, inter = down_proj.shape[:2]
+    num_experts, inter = down_proj.shape[-3:-1]
+    group_offset = 0
+    if layer is not None:  # every layer's experts as one [L * E, ...] stack (a free reshape)
+        group_offset = layer * num_experts
+        gate_up_proj = gate_up_proj.reshape(-1, *gate_up_proj.shape[2:])
+        down_proj = down_proj.reshape(-1, *down_proj.shape[2:])
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     rows = x.astype(gate_up_proj.dtype)[order // k]
-    gate_up = grouped_matmul(rows, gate_up_proj, group_sizes).astype(jnp.float32)
+    gate_up = grouped_matmul(rows, gate_up_proj, group_sizes, group_offset=group_offset)
+    gate_up = gate_up.astype(jnp.float32)
     hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    out = grouped_matmul(hidden.astype(down_proj.dtype), down_proj, group_sizes)
+    out = grouped_matmul(
+        hidden.astype(down_proj.dtype), down_proj, group_sizes, group_offset=group_offset
+    )
     # Back to (token, expert) order by a gather (a scatter-add would serialise on tokens).
     position = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
     out = out[position].reshape(t, k, -1).astype(jnp.float32)
@@ -175,9 +188,13 @@ class MoE(nnx.Module):
             cfg.hidden_size, cfg.shared_intermediate_size, param_dtype=param_dtype, rngs=rngs
         )
 
-    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
+    def __call__(
+        self, x: jax.Array, *, impl: str = "auto", layer: int | jax.Array | None = None
+    ) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
-        (``kernels.select``: "auto", "pallas" or "reference")."""
+        (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
+        holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
+        router and shared experts are this layer's own), which of them to use."""
         bias = getattr(self.gate, "e_score_correction_bias", None)
         expert_ids, weights = route(
             x, self.gate.kernel[...], None if bias is None else bias[...], self.cfg
@@ -188,6 +205,7 @@ class MoE(nnx.Module):
             weights,
             self.experts.gate_up_proj[...],
             self.experts.down_proj[...],
+            layer=layer,
             grouped_matmul=kernels.select(impl).grouped_matmul,
         )
         shared = self.shared_experts(x.astype(self.experts.down_proj.dtype))

@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import kernels
 from kernels.fp8 import Fp8Cache
 
+from . import sharding
 from .compilation import cache_hits
 from .metadata import AttentionMetadata, Buckets, StepShape, build_metadata
 from .model import DeepseekModel
@@ -83,7 +85,10 @@ def _sample(logits: jax.Array, temperatures: jax.Array, key: jax.Array) -> jax.A
 
 
 class ModelRunner:
-    """Owns the model's parameters (flat), the cache and the compiled programs."""
+    """Owns the model's parameters (flat), the cache and the compiled programs. With a
+    ``mesh`` (tensor parallelism, ``sharding.py``) the parameters are split across its
+    devices, the cache and the step's inputs and sampled tokens replicated, and the kernels
+    run per rank on its heads."""
 
     def __init__(
         self,
@@ -95,21 +100,34 @@ class ModelRunner:
         max_rows: int,
         impl: str,
         seed: int,
+        mesh: Mesh | None = None,
     ):
         graphdef, state = nnx.split(model)
         self.params, param_tree = jax.tree.flatten(state)
+        self.tokens = jnp.zeros(max_rows, jnp.int32)  # the last step's sampled tokens
+        self.key = jax.random.key(seed)
+        self.mesh = mesh
+        num_heads = model.cfg.mla.num_heads  # per rank: the kernels see a rank's heads
+        kernel_set = kernels.select(impl)
+        if mesh is not None:
+            num_heads //= mesh.size
+            shardings = sharding.param_shardings(state, mesh)
+            self.params = [
+                jax.device_put(param, placement)
+                for param, placement in zip(self.params, shardings, strict=True)
+            ]
+            cache, self.tokens, self.key = jax.device_put(
+                (cache, self.tokens, self.key), sharding.replicated(mesh)
+            )
+            impl = sharding.sharded_kernels(kernel_set, mesh)
         self.cache = cache
         self.block_size = block_size
         self.num_blocks = cache.shape[1]
         self.workspace_size = workspace_size
         self.max_rows = max_rows  # sampled-token rows of the largest step
         self.kernel_plan = (
-            kernels.KernelPlan.for_device(model.cfg.mla.num_heads)
-            if kernels.select(impl) is kernels.PALLAS
-            else None
+            kernels.KernelPlan.for_device(num_heads) if kernel_set is kernels.PALLAS else None
         )
-        self.tokens = jnp.zeros(max_rows, jnp.int32)  # the last step's sampled tokens
-        self.key = jax.random.key(seed)
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
         self.compiled: list[tuple[StepShape, float, bool]] = []  # shape, seconds, from cache
@@ -197,7 +215,20 @@ class ModelRunner:
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()
-        jitted = jax.jit(lambda *args: self._forward(layout, *args), donate_argnums=1)
+        shardings = {}
+        if self.mesh is not None:  # parameters as placed; the rest replicated
+            replicated = sharding.replicated(self.mesh)
+            shardings = dict(
+                in_shardings=(
+                    [p.sharding for p in self.params],
+                    replicated,
+                    replicated,
+                    replicated,
+                    replicated,
+                ),
+                out_shardings=(replicated, replicated),
+            )
+        jitted = jax.jit(lambda *args: self._forward(layout, *args), donate_argnums=1, **shardings)
         lowered = jitted.lower(self.params, self.cache, packed, self.tokens, self.key)
         options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
         program = lowered.compile(compiler_options=options)

@@ -15,9 +15,10 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -147,10 +148,16 @@ def _listing(names: list[str], limit: int = 8) -> str:
 
 
 def load_model(
-    model_dir: str | os.PathLike, *, dtype=jnp.float32, verbose: bool = False
+    model_dir: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    verbose: bool = False,
+    placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
 ) -> tuple[ModelConfig, DeepseekModel]:
     """Builds the model ``config.json`` describes and fills it from the checkpoint's tensors,
-    cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors."""
+    cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors.
+    ``placement(path, ndim)``: where each parameter goes (e.g. ``sharding.placement``, which
+    sends each device only its shards); default: the default device."""
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
@@ -205,7 +212,13 @@ def load_model(
                     array = f.get_tensor(name)
                 buffers[path][slot.index] = array.transpose(slot.axes)
     variables = {path: var for path, var, _ in params.values()}
-    loaded = [(path, variables[path].replace(jnp.asarray(b))) for path, b in buffers.items()]
+
+    def put(path: tuple, buffer: np.ndarray) -> jax.Array:
+        if placement is None:
+            return jnp.asarray(buffer)
+        return jax.device_put(buffer, placement(path, buffer.ndim))
+
+    loaded = [(path, variables[path].replace(put(path, b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 

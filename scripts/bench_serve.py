@@ -33,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_moe import V2_LITE as V2_LITE_MOE
 from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
 from flax import nnx
 
@@ -51,6 +52,19 @@ MODELS = {
         intermediate_size=10944,
         max_position_embeddings=163840,
         mla=preset("deepseek-v2-lite"),
+    ),
+    # DeepSeek-V2-Lite whole: layer 0 dense, 26 MoE layers (64 routed experts, top 6, 2 shared;
+    # 15.7 B parameters).
+    "v2-lite-moe": ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        num_layers=27,
+        intermediate_size=10944,
+        max_position_embeddings=163840,
+        mla=preset("deepseek-v2-lite"),
+        n_routed_experts=V2_LITE_MOE.n_routed_experts,
+        first_k_dense_replace=1,
+        moe=V2_LITE_MOE,
     ),
     # DeepSeek-V3's attention (128 heads, q LoRA 1536, hidden 7168) with its dense-layer MLP.
     "v3": ModelConfig(
@@ -83,35 +97,56 @@ def _engine_config(**overrides) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
-def _weight_bytes(model: DeepseekModel) -> int:
-    """Bytes of the weights a step reads: all but the embedding table (a step gathers only
-    its tokens' rows of it)."""
+def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
+    """Bytes of the weights a step of ``tokens`` tokens reads: all but the embedding table (a
+    step gathers only its tokens' rows of it) and, in MoE layers, only the routed experts the
+    tokens choose: their expected number if each token picks ``k`` of ``E`` experts uniformly,
+    ``E (1 - (1 - k/E)^tokens)`` (random weights route near-uniformly)."""
     state = nnx.state(model, nnx.Param)
     total = sum(x.nbytes for x in jax.tree.leaves(state))
-    return total - model.embed_tokens.embedding[...].nbytes
+    total -= model.embed_tokens.embedding[...].nbytes
+    moe = model.cfg.moe
+    for (_, _, is_moe), layers in zip(model.cfg.layer_runs(), model.layers, strict=True):
+        if is_moe:
+            experts = layers.mlp.experts
+            routed = experts.gate_up_proj[...].nbytes + experts.down_proj[...].nbytes
+            e, k = moe.n_routed_experts, moe.num_experts_per_tok
+            chosen = e * (1 - (1 - k / e) ** tokens)
+            total -= routed * (1 - chosen / e)
+    return total
 
 
 def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> None:
     """``batch`` running requests, each with ``context`` tokens already in the cache and
-    ``steps`` decode steps to go, placed straight into the scheduler."""
+    ``steps`` decode steps to go, placed straight into the scheduler. Each request's token is
+    random, so that an MoE layer routes the batch's tokens to different experts."""
+    rng = np.random.default_rng(batch)
+    vocab = engine.model_cfg.vocab_size
     for _ in range(batch):
-        req = Request([1] * (context + 1), max_new_tokens=steps, ignore_eos=True)
+        ids = [1] * context + [int(rng.integers(vocab))]
+        req = Request(ids, max_new_tokens=steps, ignore_eos=True)
         if not engine.scheduler.grow(req, context + steps + 1):
             raise RuntimeError("the benchmark's cache is too small")
         req.num_computed = context
         engine.scheduler.running.append(req)
 
 
-def _device_ms_per_step(run) -> tuple[float, dict]:
-    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
-    (the ten largest), both divided by the steps ``run`` returns."""
+def profile(run) -> tuple[dict, int]:
+    """The perfetto trace (CUPTI kernel events on GPUs) of ``run()``, and what it returns
+    (its step count)."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         steps = run()
         jax.profiler.stop_trace()
         [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
-            trace = json.load(f)
+            return json.load(f), steps
+
+
+def _device_ms_per_step(run) -> tuple[float, dict]:
+    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
+    (the ten largest), both divided by the steps ``run`` returns."""
+    trace, steps = profile(run)
     per_kernel: dict[str, float] = {}
     for e in _gpu_kernel_events(trace):
         per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
@@ -126,7 +161,7 @@ def _cache_bytes_per_token(engine: Engine) -> float:
     return total / (engine.cfg.num_blocks * engine.cfg.block_size)
 
 
-def _decode_row(engine, model_cfg, weight_bytes, bandwidth, batch, context) -> dict:
+def _decode_row(engine, model, bandwidth, batch, context) -> dict:
     stats = engine.stats
     before = len(stats.step_records)
     _decode_requests(engine, batch, context, DECODE_STEPS)
@@ -146,7 +181,7 @@ def _decode_row(engine, model_cfg, weight_bytes, bandwidth, batch, context) -> d
 
     device_ms, kernels = _device_ms_per_step(profiled)
     kv_bytes = batch * (context + DECODE_STEPS // 2) * _cache_bytes_per_token(engine)
-    roofline_ms = (weight_bytes + kv_bytes) / bandwidth / 1e6
+    roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
     return {
         "cells": [
             f"decode {batch} x {context}",
@@ -198,7 +233,7 @@ def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
     return rows
 
 
-def _kv_cache_comparison(args, model, model_cfg, weight_bytes, bandwidth) -> None:
+def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
     """Decode rows on an engine per ``args.kv_cache_dtypes``, and each layout's capacity in
     4096-token requests within the memory of the first layout's cache."""
     dtypes = args.kv_cache_dtypes.split(",")
@@ -214,7 +249,7 @@ def _kv_cache_comparison(args, model, model_cfg, weight_bytes, bandwidth) -> Non
         if first_requests is None:
             first_requests = requests
         for batch, context in decode_rows:
-            row = _decode_row(engine, model_cfg, weight_bytes, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context)
             row["cells"] = [
                 row["cells"][0],
                 dtype,
@@ -285,15 +320,15 @@ def main():
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
     bandwidth = copy_bandwidth().gbs
     model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    weight_bytes = _weight_bytes(model)
+    weight_bytes = _weight_bytes(model, 1)
     print(
         f"{args.model}: {model_cfg.num_layers} layers, {weight_bytes / 1e9:.2f} GB of weights "
-        f"read per step, copy bandwidth {bandwidth:.0f} GB/s",
+        f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
         flush=True,
     )
     if args.kv_cache_dtypes:
         args.decode_rows = args.decode_rows or "256x4096"
-        _kv_cache_comparison(args, model, model_cfg, weight_bytes, bandwidth)
+        _kv_cache_comparison(args, model, model_cfg, bandwidth)
         return
     engine = Engine(model, _engine_config(), log=print)
     rows, kinds = [], args.rows.split(",")
@@ -302,7 +337,7 @@ def main():
         if args.decode_rows:
             decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
         for batch, context in decode_rows:
-            row = _decode_row(engine, model_cfg, weight_bytes, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context)
             print(row, flush=True)
             rows.append(row)
     rng = np.random.default_rng(0)
@@ -354,16 +389,30 @@ def main():
         print(rows[-1], flush=True)
     stats = engine.stats.as_dict()
     name = f"serve_{args.model}"
+    moe = model_cfg.moe
+    mlp = f"dense MLP {model_cfg.intermediate_size}"
+    if moe:
+        mlp = (
+            f"layer 0 dense MLP {model_cfg.intermediate_size}, then MoE ({moe.n_routed_experts} "
+            f"routed experts of width {moe.moe_intermediate_size}, top "
+            f"{moe.num_experts_per_tok}, {moe.n_shared_experts} shared; Pallas grouped matmul)"
+        )
     notes = [
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
-        f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, dense MLP "
-        f"{model_cfg.intermediate_size}; random bf16 weights, page {PAGE}, Pallas kernels, "
-        "asynchronous scheduling.",
+        f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
+        f"random bf16 weights, page {PAGE}, Pallas kernels, asynchronous scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
         "metadata + launch per step.",
-        f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB, all but the embedding "
-        f"table + every KV row read) / copy bandwidth ({bandwidth:.0f} GB/s, same run).",
+        f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
+        "the embedding table"
+        + (
+            "; in MoE layers only the routed experts the batch chooses, their expected number "
+            "under uniform routing"
+            if moe
+            else ""
+        )
+        + f" + every KV row read) / copy bandwidth ({bandwidth:.0f} GB/s, same run).",
         f"Programs compiled: {stats['programs']} in {stats['compile_s']:.1f} s "
         "(no persistent cache).",
     ]

@@ -256,9 +256,11 @@ def save(
     notes: list[str],
     extra: dict | None = None,
     out_dir: str | None = None,
+    publish: bool = True,
 ) -> str:
     """Writes ``benchmarks/<name>.json`` (and a copy under ``out_dir``), re-renders the page.
-    ``rows`` are made by ``row``."""
+    ``rows`` are made by ``row``. ``publish=False`` (a trial run): only ``out_dir`` gets the
+    JSON, the repository's results and page are left alone."""
     result = {
         "title": title,
         "device": machine(),
@@ -268,12 +270,16 @@ def save(
         "notes": notes,
         **(extra or {}),
     }
-    for folder in {RESULTS, out_dir or RESULTS}:
+    if not publish and out_dir is None:
+        raise ValueError("a result saved with publish=False needs an out_dir")
+    folders = {out_dir or RESULTS} | ({RESULTS} if publish else set())
+    for folder in folders:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"{name}.json"), "w") as f:
             f.write(_dumps(result) + "\n")
-    render()
-    return os.path.join(RESULTS, f"{name}.json")
+    if publish:
+        render()
+    return os.path.join(RESULTS if publish else out_dir, f"{name}.json")
 
 
 def _cell(v) -> str:

@@ -15,7 +15,7 @@ import sys
 
 import jax.numpy as jnp
 
-from mla_jax import compilation
+from mla_jax import compilation, sharding
 from mla_jax.cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the model's dtype; fp8: e4m3 latent with a scale per 128 values",
     )
+    ap.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor parallel: split heads, MLPs, experts and vocabulary over this many devices",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
     return ap
@@ -147,6 +153,7 @@ def _engine_config(
             workspace_size=args.workspace_size,
             impl=args.impl,
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel=args.tp,
         )
     except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
         ap.error(str(e))
@@ -172,12 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer is not None:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
     cfg = _engine_config(ap, args, prompts)
+    placement = None
+    if args.tp > 1:  # refused before the weights load, which then go straight to their shards
+        try:
+            sharding.check_divisible(load_config(model_dir), args.tp)
+            placement = sharding.placement(sharding.make_mesh(args.tp))
+        except ValueError as e:
+            ap.error(f"--tp {args.tp}: {e}")
     if not args.no_compilation_cache:
         path = compilation.enable_cache(args.compilation_cache)
         print(f"compilation cache: {path}", file=sys.stderr)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
-    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True)
+    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True, placement=placement)
     engine = Engine(model, cfg, seed=args.seed)
     requests = [
         Request(p, args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)

@@ -84,6 +84,21 @@ def test_traced_group_sizes_and_poisoned_unused_groups(rng):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < 1e-6
 
 
+@pytest.mark.parametrize("impl", list(KERNELS))
+def test_group_offset_reads_only_its_layer(impl, rng):
+    """Groups offset into a stacked ``rhs`` (three layers of 4 experts, the middle layer's
+    used, the offset traced as under a scan): the other layers' matrices are NaN and must not
+    reach the output."""
+    sizes = [3, 0, 9, 1]
+    lhs, rhs, group_sizes = _inputs(rng, 16, 32, 24, sizes)
+    stacked = jnp.full((12, 32, 24), jnp.nan).at[4:8].set(rhs)
+    got = jax.jit(lambda offset: KERNELS[impl](lhs, stacked, group_sizes, group_offset=offset))(
+        jnp.int32(4)
+    )
+    want = _numpy_grouped_matmul(lhs, rhs, sizes)
+    assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < TOL[jnp.float32]
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_plan_tiles_each_row_once_within_its_group(block_m, rng):
     """Every row is in exactly one tile, a tile holds rows of one group (or only padding
@@ -120,3 +135,5 @@ def test_bad_input_is_refused(rng):
         gm.grouped_matmul(lhs, rhs, sizes.astype(jnp.float32))
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         gm.grouped_matmul(lhs.astype(jnp.bfloat16), rhs, sizes)
+    with pytest.raises(ValueError, match="group_offset 1 puts 2 groups past rhs's 2"):
+        gm.grouped_matmul(lhs, rhs, sizes, group_offset=1)

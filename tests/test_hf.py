@@ -90,9 +90,11 @@ def _v2_lite_legacy_schema():
     return transformers.DeepseekV2ForCausalLM, cfg, to_legacy
 
 
-# Layer 0 dense, layer 1 mixture-of-experts: 8 routed experts in 4 groups, 2 groups kept,
-# top 2, a shared expert, routed_scaling_factor not 1.
+# Layer 0 dense, layers 1-2 mixture-of-experts (one stacked run of two, so that each must
+# find its own experts in the run's stack): 8 routed experts in 4 groups, 2 groups kept, top
+# 2, a shared expert, routed_scaling_factor not 1.
 MOE = dict(
+    num_hidden_layers=3,
     first_k_dense_replace=1,
     n_routed_experts=8,
     num_experts_per_tok=2,
@@ -129,10 +131,11 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(params=list(CHECKPOINTS))
-def checkpoint(request, tmp_path, rng):
-    cls, cfg, rewrite = CHECKPOINTS[request.param]()
-    torch.manual_seed(int(rng.integers(2**31)))
+def write_checkpoint(name: str, path, seed: int):
+    """Writes checkpoint ``name`` of ``CHECKPOINTS`` with random weights (from ``seed``) to
+    ``path``; returns the transformers model, float32, in eval mode."""
+    cls, cfg, rewrite = CHECKPOINTS[name]()
+    torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     with torch.no_grad():
         for _name, p in model.named_parameters():
@@ -140,15 +143,20 @@ def checkpoint(request, tmp_path, rng):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)
     if rewrite is not None:
-        path = os.path.join(tmp_path, "config.json")
-        with open(path) as f:
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
             d = rewrite(json.load(f))
-        with open(path, "w") as f:
+        with open(config_path, "w") as f:
             json.dump(d, f)
-        model = cls.from_pretrained(tmp_path).float().eval()
-    return model, tmp_path
+        model = cls.from_pretrained(path).float().eval()
+    return model
+
+
+@pytest.fixture(params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path, rng):
+    return write_checkpoint(request.param, tmp_path, int(rng.integers(2**31))), tmp_path
 
 
 def test_last_token_logits_match(checkpoint, rng):
