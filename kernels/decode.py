@@ -14,11 +14,18 @@ Any head count and widths run: heads are padded to a multiple of 16 (a dot's row
 queries, ``Lkv`` and ``R`` to power-of-two tiles whose extra cache columns are masked (never
 read). DeepSeek's 512 + 64 and its head counts need no padding. A program reads only cache
 rows ``[0, seq_len)`` of its request, through the block-table entries those rows need.
+
+Over an FP8 cache (``fp8.Fp8Cache``) the latent is loaded as one float8_e4m3fn tile per scale
+group of 128 columns, converted to the queries' bf16 in registers (exact); each group's
+score is multiplied by its keys' scales, and the probabilities by the same scales before they
+meet that group's values, so one code path serves both caches (a bf16 cache is one unscaled
+group).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -27,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import online_softmax
+from . import fp8, online_softmax
 
 DEFAULT_NUM_SMS = 132  # H100 / H200
 
@@ -46,6 +53,16 @@ class DecodeConfig(NamedTuple):
     # Where an item's last, partial step is masked: False, in every step of one loop; True,
     # full steps unmasked and the last one in a branch (see default_config).
     split_tail: bool = False
+    # Load step j + 1's tiles before step j's math, carried in registers, instead of leaving
+    # the overlap to Triton's pipeliner (which may not pipeline loads that are converted
+    # before their dot, as an FP8 cache's are). Needs split_tail False (one masked loop).
+    prefetch: bool = False
+    # FP8 cache only: what its e4m3 tiles are converted to for the latent dots (queries and
+    # probabilities too). bfloat16: exact, the queries' own dtype. float16: also exact for
+    # e4m3 values, converted in one instruction per two values where bf16 takes several,
+    # but queries round to float16 (10 mantissa bits; |q| must stay below 65504) and
+    # probabilities x scales below 2^-14 lose precision (float16's subnormals).
+    fp8_compute: str = "bfloat16"
 
 
 def padded_heads(num_heads: int) -> int:
@@ -161,6 +178,59 @@ def _row_columns(ref, rows: jax.Array, first: int, count: int, tile: int) -> jax
     return plgpu.load(ref.at[rows[:, None], first + cols], mask=mask, other=0)
 
 
+class _Group(NamedTuple):
+    """Latent columns ``[first, first + count)`` held in a ``tile``-wide power-of-two tile."""
+
+    first: int
+    count: int
+    tile: int
+
+
+def _latent_groups(num_lat: int, quantized: bool) -> tuple[_Group, ...]:
+    """How the kernel splits the latent: one tile for a bf16/float32 cache; one per scale
+    group (``fp8.GROUP`` columns) for an FP8 cache, whose scales then apply per tile."""
+    width = fp8.GROUP if quantized else num_lat
+    return tuple(
+        _Group(
+            first,
+            min(width, num_lat - first),
+            online_softmax.tile_width(min(width, num_lat - first)),
+        )
+        for first in range(0, num_lat, width)
+    )
+
+
+def _load_keys(
+    cache_refs: tuple,
+    rows: jax.Array,
+    groups: tuple[_Group, ...],
+    *,
+    num_lat: int,
+    rope: int,
+    rope_tile: int,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array | None, ...], jax.Array]:
+    """The keys of cache ``rows`` as stored: per latent group a ``[len(rows), tile]`` tile
+    and its ``[len(rows)]`` float32 scales (None for an unscaled cache), and the
+    ``[len(rows), rope_tile]`` k_pe tile. ``cache_refs``: ``(kv,)`` rows ``concat(kv_c,
+    k_pe)``, or an FP8 cache's ``(kv_c, k_pe, scales)``, whose float8_e4m3fn tiles the
+    caller converts in registers (exact) and whose scales it applies to scores and
+    probabilities."""
+    if len(cache_refs) == 1:
+        (kv_ref,) = cache_refs
+        [group] = groups
+        kv_c = _row_columns(kv_ref, rows, 0, num_lat, group.tile)
+        return (kv_c,), (None,), _row_columns(kv_ref, rows, num_lat, rope, rope_tile)
+    kv_c_ref, k_pe_ref, scales_ref = cache_refs
+    kv_c = tuple(_row_columns(kv_c_ref, rows, g.first, g.count, g.tile) for g in groups)
+    scales = tuple(scales_ref[rows, i] for i in range(len(groups)))
+    return kv_c, scales, _row_columns(k_pe_ref, rows, 0, rope, rope_tile)
+
+
+def _scaled(scores: jax.Array, key_scales: jax.Array | None) -> jax.Array:
+    """``scores [rows, cols]`` of one latent group times its keys' ``[cols]`` scales."""
+    return scores if key_scales is None else scores * key_scales[None, :]
+
+
 def _decode_kernel(
     prog_items_ref,
     item_req_ref,
@@ -170,12 +240,7 @@ def _decode_kernel(
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
-    kv_ref,
-    out_ref,
-    lse_ref,
-    o_part_ref,
-    lse_part_ref,
-    *,
+    *refs,
     scale: float,
     block_h: int,
     block_k: int,
@@ -183,16 +248,29 @@ def _decode_kernel(
     num_lat: int,
     rope: int,
     split_tail: bool,
+    prefetch: bool,
+    fp8_compute: str,
 ):
     """One program x one block of heads: online softmax over each of its items. Queries
-    and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns)."""
+    and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns).
+    ``refs``: the cache refs (see ``_load_keys``), then out, lse, o_part and lse_part."""
+    cache_refs, (out_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
+    quantized = len(cache_refs) > 1
+    groups = _latent_groups(num_lat, quantized=quantized)
+    # The latent dots' dtype: the queries' (bf16 or float32), or fp8_compute over FP8 tiles.
+    lat_dtype = jnp.dtype(fp8_compute) if quantized else q_pe_ref.dtype
     h, p = pl.program_id(0), pl.program_id(1)
     heads = pl.ds(h * block_h, block_h)
-    lat_tile, rope_tile = q_lat_ref.shape[-1], q_pe_ref.shape[-1]
+    rope_tile = q_pe_ref.shape[-1]
+    load_keys = functools.partial(
+        _load_keys, cache_refs, groups=groups, num_lat=num_lat, rope=rope, rope_tile=rope_tile
+    )
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
-        q_lat = q_lat_ref[req, heads, :]
+        q_lat = tuple(
+            q_lat_ref[req, heads, pl.ds(g.first, g.tile)].astype(lat_dtype) for g in groups
+        )
         q_pe = q_pe_ref[req, heads, :]
         # Tokens past the item's end read its last token instead, a row the request owns:
         # no block-table entry or cache row outside [0, seq_len) is touched, and their scores
@@ -201,27 +279,50 @@ def _decode_kernel(
         last_page = last // block_size
         last_row = block_table_ref[req, last_page] * block_size + last % block_size
 
-        def step(j, state, *, masked: bool):
-            """``block_k`` tokens from ``start + j * block_k``; unmasked steps lie inside
-            ``[start, end)``."""
-            tok = start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        def tokens(j):
+            return start + j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+
+        def rows(j, *, masked: bool):
+            """Cache rows of step j's tokens; unmasked steps lie inside ``[start, end)``."""
+            tok = tokens(j)
             if masked:
                 page = block_table_ref[req, jnp.minimum(tok // block_size, last_page)]
-                rows = jnp.where(tok < end, page * block_size + tok % block_size, last_row)
-            else:
-                rows = block_table_ref[req, tok // block_size] * block_size + tok % block_size
-            kv_c = _row_columns(kv_ref, rows, 0, num_lat, lat_tile)
-            k_pe = _row_columns(kv_ref, rows, num_lat, rope, rope_tile)
-            s = online_softmax.dot(q_lat, kv_c, trans_b=True)
+                return jnp.where(tok < end, page * block_size + tok % block_size, last_row)
+            return block_table_ref[req, tok // block_size] * block_size + tok % block_size
+
+        def attend(j, state, keys, *, masked: bool):
+            """Folds step j's ``block_k`` tokens (their loaded ``keys``) into ``state``."""
+            kv_c, kv_scales, k_pe = keys
+            kv_c = tuple(tile.astype(lat_dtype) for tile in kv_c)
+            s = functools.reduce(
+                operator.add,
+                (
+                    _scaled(online_softmax.dot(q_g, kv_g, trans_b=True), scale_g)
+                    for q_g, kv_g, scale_g in zip(q_lat, kv_c, kv_scales, strict=True)
+                ),
+            )
             s += online_softmax.dot(q_pe, k_pe, trans_b=True)
             s *= scale * online_softmax.LOG2E
             if masked:
-                s = jnp.where((tok < end)[None, :], s, -jnp.inf)
-            return online_softmax.update(state, s, kv_c)
+                s = jnp.where((tokens(j) < end)[None, :], s, -jnp.inf)
+            return online_softmax.update(state, s, kv_c, kv_scales)
 
-        state = online_softmax.init(block_h, lat_tile)
+        def step(j, state, *, masked: bool):
+            return attend(j, state, load_keys(rows(j, masked=masked)), masked=masked)
+
+        def prefetched_step(j, carry):
+            """Step j on the keys loaded by step j - 1, loading step j + 1's (past the end:
+            the last row, masked)."""
+            state, keys = carry
+            next_keys = load_keys(rows(j + 1, masked=True))
+            return attend(j, state, keys, masked=True), next_keys
+
+        state = online_softmax.init(block_h, tuple(g.tile for g in groups))
         num_steps = pl.cdiv(end - start, block_k)
-        if split_tail:
+        if prefetch:
+            first_keys = load_keys(rows(0, masked=True))
+            state, _ = jax.lax.fori_loop(0, num_steps, prefetched_step, (state, first_keys))
+        elif split_tail:
             # A branch, not a second loop: Triton gives every loop its own pipeline.
             num_full = (end - start) // block_k
             state = jax.lax.fori_loop(0, num_full, functools.partial(step, masked=False), state)
@@ -238,12 +339,14 @@ def _decode_kernel(
 
         @pl.when(whole)
         def _():
-            out_ref[req, heads, :] = out.astype(out_ref.dtype)
+            for g, out_g in zip(groups, out, strict=True):
+                out_ref[req, heads, pl.ds(g.first, g.tile)] = out_g.astype(out_ref.dtype)
             lse_ref[req, heads] = lse
 
         @pl.when(jnp.logical_not(whole))
         def _():
-            o_part_ref[i, heads, :] = out
+            for g, out_g in zip(groups, out, strict=True):
+                o_part_ref[i, heads, pl.ds(g.first, g.tile)] = out_g
             lse_part_ref[i, heads] = lse
 
         return carry
@@ -295,8 +398,28 @@ def _combine_kernel(
             lse_ref[b, heads] = lse
 
 
+def _check_fp8(kv_cache: fp8.Fp8Cache) -> None:
+    """The FP8 layout's parts: dtypes and matching slots (``fp8.Fp8Cache``)."""
+    kv_c, k_pe, scales = kv_cache
+    if kv_c.dtype != fp8.FP8 or scales.dtype != jnp.float32:
+        raise ValueError(
+            f"an Fp8Cache holds kv_c float8_e4m3fn and scales float32, got {kv_c.dtype} and "
+            f"{scales.dtype}"
+        )
+    lkv = kv_c.shape[-1] if kv_c.ndim == 3 else 0
+    want = (*kv_c.shape[:2], fp8.num_groups(lkv))
+    if kv_c.ndim != 3 or k_pe.shape[:2] != kv_c.shape[:2] or scales.shape != want:
+        raise ValueError(
+            f"Fp8Cache parts kv_c {kv_c.shape}, k_pe {k_pe.shape} and scales {scales.shape} "
+            f"must be [blocks, page, Lkv], [blocks, page, R] and [blocks, page, cdiv(Lkv, "
+            f"{fp8.GROUP})]"
+        )
+
+
 def _check(q_lat, q_pe, kv_cache, block_table, seq_lens, block_h):
-    if q_lat.ndim != 3 or q_pe.ndim != 3 or kv_cache.ndim != 3:
+    if isinstance(kv_cache, fp8.Fp8Cache):
+        _check_fp8(kv_cache)
+    if q_lat.ndim != 3 or q_pe.ndim != 3 or len(kv_cache.shape) != 3:
         raise ValueError(
             f"q_lat {q_lat.shape}, q_pe {q_pe.shape} and kv_cache {kv_cache.shape} must be 3-D"
         )
@@ -354,7 +477,7 @@ def _check_values(kv_cache, block_table, seq_lens):
 def mla_decode(
     q_lat: jax.Array,
     q_pe: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: jax.Array | fp8.Fp8Cache,
     block_table: jax.Array,
     seq_lens: jax.Array,
     *,
@@ -368,7 +491,11 @@ def mla_decode(
     Args:
       q_lat: ``[B, N, Lkv]`` queries in the latent space (any N, Lkv >= 1).
       q_pe: ``[B, N, R]`` rotated rope queries.
-      kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)``.
+      kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)`` in q's
+        dtype, or an ``fp8.Fp8Cache`` (queries in its k_pe dtype, bf16): its latent tiles
+        are loaded as float8_e4m3fn and converted in registers, and each group's
+        power-of-two scales multiply the scores and the probabilities (no rounding beyond
+        the bf16 cache's).
       block_table: ``[B, W]`` int32; ``W * block_size`` must cover every ``seq_lens``. Only
         the first ``cdiv(seq_lens[b], block_size)`` entries of row b are read; the rest may
         hold anything (-1, a stale id), and cache rows past ``seq_lens[b]`` are never read.
@@ -385,6 +512,12 @@ def mla_decode(
     config = config or default_config(n, b)
     _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
+    if config.prefetch and config.split_tail:
+        raise ValueError("config.prefetch needs split_tail False (it runs one masked loop)")
+    if config.fp8_compute not in ("bfloat16", "float16"):
+        raise ValueError(
+            f"config.fp8_compute {config.fp8_compute!r} must be 'bfloat16' or 'float16'"
+        )
     if interpret is None:
         interpret = online_softmax.interpret_default()
     config = config._replace(
@@ -410,7 +543,11 @@ def _mla_decode(
 ):
     b, n, lkv = q_lat.shape
     rope = q_pe.shape[-1]
-    num_blocks, block_size, width = kv_cache.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    # Each part of the cache as [slots, columns] (one array, or the FP8 layout's three).
+    cache_parts = [
+        a.reshape(num_blocks * block_size, a.shape[-1]) for a in jax.tree.leaves(kv_cache)
+    ]
     heads = padded_heads(n)
     lat_tile = online_softmax.tile_width(lkv)
     q_lat = online_softmax.pad_to(q_lat, (b, heads, lat_tile))
@@ -429,6 +566,8 @@ def _mla_decode(
             num_lat=lkv,
             rope=rope,
             split_tail=config.split_tail,
+            prefetch=config.prefetch,
+            fp8_compute=config.fp8_compute,
         ),
         grid=(heads // config.block_h, num_programs),
         out_shape=(
@@ -451,7 +590,7 @@ def _mla_decode(
         block_table,
         q_lat,
         q_pe,
-        kv_cache.reshape(num_blocks * block_size, width),
+        *cache_parts,
     )
     out, lse = pl.pallas_call(
         functools.partial(

@@ -51,32 +51,53 @@ class SoftmaxState(NamedTuple):
     l: jax.Array  # [rows] float32: sum_j 2^(s_j - m)
 
 
-def init(rows: int, width: int) -> SoftmaxState:
+def init(rows: int, width: int | tuple[int, ...]) -> SoftmaxState:
+    """An empty state; a tuple of widths gives one accumulator per column group (``acc`` a
+    tuple, see ``update``)."""
+    acc = (
+        tuple(jnp.zeros((rows, w), jnp.float32) for w in width)
+        if isinstance(width, tuple)
+        else jnp.zeros((rows, width), jnp.float32)
+    )
     return SoftmaxState(
-        jnp.zeros((rows, width), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        acc, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
     )
 
 
-def update(state: SoftmaxState, s: jax.Array, v: jax.Array) -> SoftmaxState:
+def update(
+    state: SoftmaxState,
+    s: jax.Array,
+    v: jax.Array | tuple[jax.Array, ...],
+    v_scales: tuple[jax.Array | None, ...] | None = None,
+) -> SoftmaxState:
     """Folds in a block of log2-domain scores ``s [rows, cols]`` (masked keys at -inf) and
-    their values ``v [cols, width]``."""
+    their values ``v [cols, width]``, or a tuple of column groups of them (``state.acc`` a
+    tuple of the same widths). ``v_scales``: per group ``[cols]`` float32 factors of the
+    values (an FP8 cache's dequantization scales, or None), applied to the probabilities:
+    ``p @ (scale * v) = (p * scale) @ v`` multiplies ``rows`` values per key, not ``width``."""
     m_new = jnp.maximum(state.m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # keeps -inf - -inf out
     alpha = jnp.exp2(state.m - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
-    acc = state.acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-    return SoftmaxState(acc, m_new, state.l * alpha + jnp.sum(p, axis=1))
+    l_new = state.l * alpha + jnp.sum(p, axis=1)
+    if not isinstance(v, tuple):
+        return SoftmaxState(state.acc * alpha[:, None] + dot(p.astype(v.dtype), v), m_new, l_new)
+    v_scales = v_scales or (None,) * len(v)
+    acc = tuple(
+        a * alpha[:, None] + dot((p if scale is None else p * scale[None, :]).astype(vg.dtype), vg)
+        for a, vg, scale in zip(state.acc, v, v_scales, strict=True)
+    )
+    return SoftmaxState(acc, m_new, l_new)
 
 
 def finalize(state: SoftmaxState, *, log2_domain: bool = True) -> tuple[jax.Array, jax.Array]:
-    """``(out [rows, width], lse [rows])``: normalised float32 output and natural-log LSE;
-    rows without keys give 0 and -inf. ``log2_domain``: whether ``state.m`` is a log2 score
-    (``update``) or a natural log (``merge_block``)."""
+    """``(out [rows, width], lse [rows])``: normalised float32 output (a tuple of groups when
+    ``state.acc`` is one) and natural-log LSE; rows without keys give 0 and -inf.
+    ``log2_domain``: whether ``state.m`` is a log2 score (``update``) or a natural log
+    (``merge_block``)."""
     nonempty = state.l > 0
     l_safe = jnp.where(nonempty, state.l, 1.0)
-    out = state.acc / l_safe[:, None]
+    out = jax.tree.map(lambda acc: acc / l_safe[:, None], state.acc)
     log_mass = (state.m + jnp.log2(l_safe)) * LN2 if log2_domain else state.m + jnp.log(l_safe)
     return out, jnp.where(nonempty, log_mass, -jnp.inf)
 

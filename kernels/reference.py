@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import fp8
+
 
 def _softmax_with_lse(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Softmax of scaled scores ``s [..., k]`` over the keys where ``mask``; rows with no key
@@ -28,7 +30,7 @@ def _softmax_with_lse(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arr
 def mla_decode(
     q_lat: jax.Array,
     q_pe: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: jax.Array | fp8.Fp8Cache,
     block_table: jax.Array,
     seq_lens: jax.Array,
     *,
@@ -40,7 +42,8 @@ def mla_decode(
     Args:
       q_lat: ``[B, N, Lkv]`` queries absorbed into the latent space.
       q_pe: ``[B, N, R]`` rotated rope part of the queries.
-      kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)``.
+      kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)``, or an
+        ``fp8.Fp8Cache`` (dequantized as it is gathered).
       block_table: ``[B, W]`` int32 block ids of each sequence; entries past
         ``cdiv(seq_lens[b], block_size)`` are never used (may hold anything).
       seq_lens: ``[B]`` int32 keys per sequence (0: empty row).
@@ -66,7 +69,7 @@ def mla_decode(
 
 
 def gather_rows(
-    kv_cache: jax.Array,
+    kv_cache: jax.Array | fp8.Fp8Cache,
     block_table: jax.Array,
     requests: jax.Array,
     positions: jax.Array,
@@ -74,16 +77,24 @@ def gather_rows(
 ) -> jax.Array:
     """Cache rows of (request, position) pairs through the block table.
 
-    ``kv_cache [num_blocks, block_size, width]``, ``block_table [R, W]`` int32; ``requests``,
-    ``positions`` and ``valid`` share a shape ``S``. Returns ``[*S, width]``, zero where not
-    ``valid``: those pairs address no cache row (an out-of-range slot read in fill mode), so
-    stale rows and padded table entries (-1, any id) never reach the arithmetic.
+    ``kv_cache [num_blocks, block_size, width]``, or an ``fp8.Fp8Cache`` whose rows come
+    back dequantized (``concat(kv_c x scale, k_pe)``, exact in its bf16); ``block_table
+    [R, W]`` int32; ``requests``, ``positions`` and ``valid`` share a shape ``S``. Returns
+    ``[*S, width]``, zero where not ``valid``: those pairs address no cache row (an
+    out-of-range slot read in fill mode), so stale rows and padded table entries (-1, any
+    id) never reach the arithmetic.
     """
-    num_blocks, block_size, width = kv_cache.shape
-    rows = kv_cache.reshape(num_blocks * block_size, width)
+    num_blocks, block_size, _ = kv_cache.shape
     page = block_table[requests, jnp.where(valid, positions // block_size, 0)]
-    slot = jnp.where(valid, page * block_size + positions % block_size, rows.shape[0])
-    return rows.at[slot].get(mode="fill", fill_value=0)
+    slot = jnp.where(valid, page * block_size + positions % block_size, num_blocks * block_size)
+
+    def gather(part: jax.Array) -> jax.Array:
+        rows = part.reshape(num_blocks * block_size, part.shape[-1])
+        return rows.at[slot].get(mode="fill", fill_value=0)
+
+    if isinstance(kv_cache, fp8.Fp8Cache):
+        return fp8.dequantize(*map(gather, kv_cache))
+    return gather(kv_cache)
 
 
 def _segments(cu_seqlens: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:

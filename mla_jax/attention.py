@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
+from kernels.fp8 import Fp8Cache
 
 from .cache import write_cache
 from .checks import check_hidden, check_packed, check_step
@@ -67,12 +68,12 @@ class MLAAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        cache: jax.Array,
+        cache: jax.Array | Fp8Cache,
         metadata: AttentionMetadata | PackedMetadata,
         *,
         layer: int | jax.Array | None = None,
         impl: str = "auto",
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """One step.
 
         Args:
@@ -82,7 +83,8 @@ class MLAAttention(nnx.Module):
             (decodes first, ``T = metadata.num_tokens``), as the engine passes them.
           cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache, or with
             ``layer``, every layer's ``[L, num_blocks, block_size, Lkv + R]``; bfloat16 or
-            float32, the geometry ``metadata`` was built for.
+            float32, the geometry ``metadata`` was built for; or an ``Fp8Cache`` of the same
+            leading axes (written quantized, read dequantized).
           metadata: the step's metadata (device arrays).
           layer: this layer's index into a stacked ``cache`` (may be traced, as in a scan
             over layers); the block ids of ``metadata`` are those of one layer.
@@ -268,14 +270,17 @@ class MLAAttention(nnx.Module):
 class LayerView:
     """One layer of a cache as the kernels take it: ``blocks``, every layer's blocks as one
     ``[L * num_blocks, block_size, Lkv + R]`` array (a free reshape, where slicing a layer
-    out would copy it), and ``block_ids`` maps the layer's block ids into it."""
+    out would copy it; each of an ``Fp8Cache``'s three arrays alike), and ``block_ids`` maps
+    the layer's block ids into it."""
 
-    def __init__(self, cache: jax.Array, layer: int | jax.Array | None):
+    def __init__(self, cache: jax.Array | Fp8Cache, layer: int | jax.Array | None):
         if layer is None:
             self.blocks, self.first_block = cache, 0
         else:
             num_layers, num_blocks = cache.shape[:2]
-            self.blocks = cache.reshape(num_layers * num_blocks, *cache.shape[2:])
+            self.blocks = jax.tree.map(
+                lambda part: part.reshape(num_layers * num_blocks, *part.shape[2:]), cache
+            )
             self.first_block = layer * num_blocks
 
     def block_ids(self, block_table: jax.Array) -> jax.Array:

@@ -1,6 +1,9 @@
 """Paged latent KV cache: ``[num_layers, num_blocks, block_size, Lkv + R]``, every layer's
 ``[num_blocks, block_size, Lkv + R]`` blocks stacked (a layer's block ``i`` holds the same
-tokens in every layer, so one block table serves them all).
+tokens in every layer, so one block table serves them all). With ``kv_cache_dtype="fp8"`` it
+is a ``kernels.fp8.Fp8Cache`` of three arrays stacked the same way (FlashMLA's layout: kv_c in
+float8_e4m3fn with a power-of-two float32 scale per 128 values, k_pe in bf16; 656 bytes a
+token and layer at DeepSeek's dims instead of 1152).
 
 A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request lives in block
 ``block_table[pos // block_size]`` at offset ``pos % block_size``, i.e. at the flat slot
@@ -13,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import fp8
+
 # Slot of padded tokens: out of range for any cache, so their writes are dropped.
 PAD_SLOT = np.iinfo(np.int32).max
 
@@ -21,10 +26,45 @@ class CacheFullError(RuntimeError):
     """The block allocator has fewer free blocks than a request needs."""
 
 
+# The cache dtypes the kernels take: the model's dtype ("auto"), an explicit float one, or
+# the scaled FP8 layout. Anything else (float16, int8, a bare float8_* without scales) is
+# refused rather than cast silently.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8")
+
+
+def cache_dtype(name: str, model_dtype) -> jnp.dtype | str:
+    """The cache dtype ``name`` stands for with a model of ``model_dtype``: a float dtype,
+    or ``"fp8"``. Raises ``ValueError`` naming the value and the accepted ones."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unsupported kv cache dtype {name!r}: accepted are {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if name == "fp8":
+        return name
+    dtype = jnp.dtype(model_dtype if name == "auto" else name)
+    if dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(
+            f"unsupported kv cache dtype {name!r} (the model's {dtype}): accepted are "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
+    return dtype
+
+
 def init_cache(
-    num_layers: int, num_blocks: int, block_size: int, width: int, dtype=jnp.bfloat16
-) -> jax.Array:
-    """A zeroed ``[num_layers, num_blocks, block_size, width]`` cache."""
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    width: int,
+    dtype=jnp.bfloat16,
+    *,
+    kv_lora_rank: int | None = None,
+    sharding: jax.sharding.Sharding | None = None,
+) -> jax.Array | fp8.Fp8Cache:
+    """A zeroed ``[num_layers, num_blocks, block_size, width]`` cache of ``dtype`` (bfloat16
+    or float32), or for ``dtype="fp8"`` an ``Fp8Cache`` of ``kv_lora_rank`` latent columns
+    and ``width - kv_lora_rank`` rope columns, with the same leading axes. ``sharding``:
+    where it lives across devices, made in place (a cache split over data-parallel ranks
+    may not fit one device whole)."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_blocks", num_blocks),
@@ -33,31 +73,64 @@ def init_cache(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-    return jnp.zeros((num_layers, num_blocks, block_size, width), dtype)
+    slots = (num_layers, num_blocks, block_size)
+    if isinstance(dtype, str) and dtype == "fp8":
+        if kv_lora_rank is None or not 0 < kv_lora_rank < width:
+            raise ValueError(f"an fp8 cache needs 0 < kv_lora_rank < {width}, got {kv_lora_rank}")
+        return fp8.Fp8Cache(
+            jnp.zeros((*slots, kv_lora_rank), fp8.FP8, device=sharding),
+            jnp.zeros((*slots, width - kv_lora_rank), fp8.ROPE_DTYPE, device=sharding),
+            jnp.ones((*slots, fp8.num_groups(kv_lora_rank)), jnp.float32, device=sharding),
+        )
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(
+            f"unsupported cache dtype {jnp.dtype(dtype).name}: accepted are bfloat16, float32 "
+            "and 'fp8' (scaled)"
+        )
+    return jnp.zeros((*slots, width), dtype, device=sharding)
 
 
 def write_cache(
-    cache: jax.Array,
+    cache: jax.Array | fp8.Fp8Cache,
     kv_c: jax.Array,
     k_pe: jax.Array,
     slot_mapping: jax.Array,
     *,
     layer: int | jax.Array | None = None,
-) -> jax.Array:
+) -> jax.Array | fp8.Fp8Cache:
     """Writes ``concat(kv_c [T, Lkv], k_pe [T, R])`` to the flat slots ``slot_mapping [T]``
     of ``cache [num_blocks, block_size, width]``, or with ``layer``, of that layer of
-    ``cache [L, num_blocks, block_size, width]``.
+    ``cache [L, num_blocks, block_size, width]``. An ``Fp8Cache`` gets kv_c quantized
+    (``fp8.quantize``: a scale per group of each token, no calibration) and k_pe in its bf16.
 
     Tokens whose slot is out of range (``PAD_SLOT``) are dropped. Donate ``cache`` to the
     enclosing jit so that XLA updates it in place.
     """
     if layer is None:
-        return write_cache(cache[None], kv_c, k_pe, slot_mapping, layer=0)[0]
-    rows = jnp.concatenate([kv_c, k_pe], axis=-1).astype(cache.dtype)
-    num_layers, num_blocks, block_size, width = cache.shape
-    flat = cache.reshape(num_layers, num_blocks * block_size, width)
-    flat = flat.at[layer, slot_mapping].set(rows, mode="drop")
-    return flat.reshape(cache.shape)
+        stacked = jax.tree.map(lambda part: part[None], cache)
+        return jax.tree.map(
+            lambda part: part[0], write_cache(stacked, kv_c, k_pe, slot_mapping, layer=0)
+        )
+    if isinstance(cache, fp8.Fp8Cache):
+        values, scales = fp8.quantize(kv_c)
+        return fp8.Fp8Cache(
+            _scatter(cache.kv_c, values, slot_mapping, layer),
+            _scatter(cache.k_pe, k_pe, slot_mapping, layer),
+            _scatter(cache.scales, scales, slot_mapping, layer),
+        )
+    rows = jnp.concatenate([kv_c, k_pe], axis=-1)
+    return _scatter(cache, rows, slot_mapping, layer)
+
+
+def _scatter(
+    part: jax.Array, rows: jax.Array, slot_mapping: jax.Array, layer: int | jax.Array
+) -> jax.Array:
+    """``part [L, num_blocks, block_size, C]`` with ``rows [T, C]`` at layer ``layer``'s
+    flat slots (out of range: dropped)."""
+    num_layers, num_blocks, block_size, width = part.shape
+    flat = part.reshape(num_layers, num_blocks * block_size, width)
+    flat = flat.at[layer, slot_mapping].set(rows.astype(part.dtype), mode="drop")
+    return flat.reshape(part.shape)
 
 
 class BlockAllocator:

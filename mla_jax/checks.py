@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from kernels.fp8 import Fp8Cache
 
 from .config import MLAConfig
 from .metadata import AttentionMetadata
 from .packing import PackedMetadata
 
 # Cache dtypes the kernels read (the references read any float; the Pallas kernels these).
+# An FP8 cache (``Fp8Cache``) passes as the bf16 it dequantizes to (its ``dtype``).
 CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -44,7 +46,7 @@ def check_packed(x: jax.Array, metadata: PackedMetadata) -> None:
 def check_step(
     cfg: MLAConfig,
     x: jax.Array,
-    cache: jax.Array,
+    cache: jax.Array | Fp8Cache,
     metadata: AttentionMetadata,
     *,
     layer: int | jax.Array | None,

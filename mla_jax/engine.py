@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import sharding
-from .cache import BlockAllocator, CacheFullError, init_cache
+from .cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
 from .config import ModelConfig
 from .metadata import Buckets, StepShape
 from .model import DeepseekModel
@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_prefills: int | None = None  # prompt chunks per step (default: up to 4)
     max_model_len: int | None = None  # longest sequence admitted (default: model_len())
     workspace_size: int = 8192  # cached-context rows gathered per chunk
-    cache_dtype: str | None = None  # default: the model's dtype
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), bfloat16, float32 or fp8
     buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
     impl: str = "auto"  # kernels.select
     # Launch step n+1 before reading step n's tokens (host work overlaps the device's).
@@ -81,6 +81,7 @@ class EngineConfig:
                 f"num_blocks ({self.num_blocks}) leaves no block to each of data_parallel="
                 f"{self.data_parallel} ranks after its {scratch} scratch blocks"
             )
+        cache_dtype(self.kv_cache_dtype, np.float32)  # refuses names the kernels don't take
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
@@ -198,16 +199,23 @@ class Engine:
                 f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
             )
         self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
-        mesh = None
+        mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
             mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
+            cache_sharding = (
+                sharding.by_rank(mesh, axis=1)
+                if cfg.data_parallel > 1
+                else sharding.replicated(mesh)
+            )
         cache = init_cache(
             self.model_cfg.num_layers,
             cfg.num_blocks,
             cfg.block_size,
             self.model_cfg.mla.cache_width,
-            cfg.cache_dtype or model.embed_tokens.embedding[...].dtype,
+            cache_dtype(cfg.kv_cache_dtype, model.embed_tokens.embedding[...].dtype),
+            kv_lora_rank=self.model_cfg.mla.kv_lora_rank,
+            sharding=cache_sharding,
         )
         self.runner = ModelRunner(
             model,

@@ -5,7 +5,8 @@ Each run of consecutive layers of one kind (dense MLP or mixture-of-experts, see
 axis, run by a ``lax.scan``: XLA compiles each kind of layer once, so a 61-layer model
 compiles about as fast as a 2-layer one. The latent cache is stacked the same way,
 ``[L, num_blocks, block_size, Lkv + R]``, and carried through the scans whole (each layer
-writes and reads its own slice in place; slicing it out would copy it).
+writes and reads its own slice in place; slicing it out would copy it). An FP8 cache
+(``kernels.fp8.Fp8Cache``) is three such arrays, carried the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kernels.fp8 import Fp8Cache
 
 from .attention import MLAAttention
 from .config import ModelConfig
@@ -83,14 +86,14 @@ class DeepseekModel(nnx.Module):
     def __call__(
         self,
         input_ids: jax.Array,
-        cache: jax.Array,
+        cache: jax.Array | Fp8Cache,
         md: AttentionMetadata,
         *,
         impl: str = "auto",
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
-        Lkv + R]`` -> logits of ``md.logits_indices`` ``[R, vocab]`` float32 and the
-        updated cache."""
+        Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
+        ``md.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
         if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
             raise ValueError(
                 f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "

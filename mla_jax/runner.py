@@ -5,10 +5,10 @@ Host cost per step is what keeps a decode step off its roofline, so a step cross
 device as little as possible: every int32 array of the step (the metadata, token ids,
 sampling temperatures' bits, the step number) is packed into **one** buffer, one transfer,
 and the compiled executable is called with that buffer, the flat list of parameters, the
-cache (donated) and the previous step's sampled tokens; nothing is flattened or hashed
-beyond the step's shape. Sampled tokens stay on the device, where the next step reads the
-ones it needs (``source``), so the host reads them only to return them to requests, while
-the device already runs the next step.
+cache (donated: one array, or an FP8 cache's three) and the previous step's sampled tokens;
+nothing is flattened or hashed beyond the step's shape. Sampled tokens stay on the device,
+where the next step reads the ones it needs (``source``), so the host reads them only to
+return them to requests, while the device already runs the next step.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import kernels
+from kernels.fp8 import Fp8Cache
 
 from . import sharding
 from .compilation import cache_hits
@@ -94,7 +95,7 @@ class ModelRunner:
     def __init__(
         self,
         model: DeepseekModel,
-        cache: jax.Array,
+        cache: jax.Array | Fp8Cache,
         *,
         block_size: int,
         workspace_size: int,

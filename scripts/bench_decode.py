@@ -1,11 +1,14 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
 TFLOP/s (2 x N x context x (576 + 512)), the copy bandwidth measured in the same run, and the
-reference's time. ``--sweep`` times kernel variants instead (written only under --out).
+reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels.fp8``: 656 B
+a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
+``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
+the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
 
-from kernels import KernelPlan, decode, reference
+from kernels import KernelPlan, decode, fp8, reference
 
 LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5
+FP8_TOKEN_BYTES = LKV + fp8.num_groups(LKV) * 4 + R * 2  # 656
 
 
 def _inputs(rng, seq_lens, n, sets):
@@ -43,11 +47,24 @@ def _inputs(rng, seq_lens, n, sets):
     return [(q_lat, q_pe, c, jnp.asarray(table), lens) for c in caches]
 
 
-def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
+@jax.jit
+def _quantized(cache: jax.Array) -> fp8.Fp8Cache:
+    """The FP8 layout of a bf16 cache ``[pages, PAGE, LKV + R]`` (what ``write_cache`` would
+    have stored for the same rows)."""
+    values, scales = fp8.quantize(cache[..., :LKV])
+    return fp8.Fp8Cache(values, cache[..., LKV:], scales)
+
+
+def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=False):
+    """Times the kernel on one batch; ``quantized``: over the FP8 layout of the same kind of
+    random cache."""
     seq_lens = np.asarray(seq_lens)
-    cache_bytes = int(seq_lens.sum()) * (LKV + R) * 2
+    token_bytes = FP8_TOKEN_BYTES if quantized else (LKV + R) * 2
+    cache_bytes = int(seq_lens.sum()) * token_bytes
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
     arg_sets = _inputs(rng, seq_lens, n, sets)
+    if quantized:
+        arg_sets = [(*a[:2], _quantized(a[2]), *a[3:]) for a in arg_sets]
     config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
     schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
@@ -60,10 +77,11 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
     us = timing.us
     tokens = int(seq_lens.sum())
     b = len(seq_lens)
-    nbytes = tokens * (LKV + R) * 2 + b * n * (LKV + R) * 2 + b * n * LKV * 2
+    nbytes = tokens * token_bytes + b * n * (LKV + R) * 2 + b * n * LKV * 2
     result = {
         "case": label,
         "N": n,
+        "cache": "fp8" if quantized else "bf16",
         "us": us,
         "GB/s": nbytes / us / 1e3,
         "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / us / 1e6,
@@ -82,8 +100,9 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True):
         result["lse_err"] = float(
             jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
         )
-        result["xla_timing"] = time_us(ref, [arg_sets[0][:5]], reps=10)
-        result["xla_us"] = result["xla_timing"].us
+        if not quantized:
+            result["xla_timing"] = time_us(ref, [arg_sets[0][:5]], reps=10)
+            result["xla_us"] = result["xla_timing"].us
     return result
 
 
@@ -117,11 +136,56 @@ SWEEP = {
     ],
     128: [{}, dict(num_stages=2), dict(block_k=32, num_stages=4), dict(block_h=32, num_warps=4)],
 }
+# The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
+# 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower), each variant on top of the
+# default config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
+# pipelining is worth: if bf16 without it is as slow as FP8, FP8's loads are likely not
+# pipelined (they are converted before their dot), which ``prefetch`` works around.
+# split_tail=False where prefetch needs it (the N = 128 default has it on).
+FP8_SWEEP_CASES = ((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",)))
+FP8_SWEEP_BF16 = [{}, dict(num_stages=1), dict(prefetch=True, split_tail=False)]
+FP8_SWEEP = [
+    {},
+    dict(num_stages=1),
+    dict(num_stages=3),
+    dict(prefetch=True, split_tail=False),
+    dict(prefetch=True, split_tail=False, block_k=32),
+    dict(prefetch=True, split_tail=False, num_warps=8),
+    dict(fp8_compute="float16"),
+    dict(fp8_compute="float16", prefetch=True, split_tail=False),
+]
+
+
+def _fp8_trials(rng) -> list:
+    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label from CASES."""
+    lens_of = dict(CASES)
+    return [
+        (
+            {"case": label, "N": n, "cache": cache},
+            variant,
+            lambda label=label, n=n, variant=variant, cache=cache: _case(
+                rng,
+                label,
+                lens_of[label],
+                n,
+                variant,
+                with_reference=cache == "fp8",  # the error of float16 conversion
+                quantized=cache == "fp8",
+            ),
+        )
+        for n, labels in FP8_SWEEP_CASES
+        for label in labels
+        for cache, variants in (("bf16", FP8_SWEEP_BF16), ("fp8", FP8_SWEEP))
+        for variant in variants
+    ]
 
 
 def main():
     args = parse_args(__doc__)
     rng = np.random.default_rng(0)
+    if args.sweep == "fp8":
+        sweep("decode_fp8", _fp8_trials(rng), args.out)
+        return
     if args.sweep:
         trials = [
             (
@@ -139,7 +203,7 @@ def main():
         return
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
-    rows = []
+    rows, fp8_rows = [], []
     ragged = _ragged(rng)
     # N = 8: a tensor-parallel shard (DeepSeek-V2-Lite's 16 heads over 2 GPUs), which the
     # kernel runs on 16 padded heads.
@@ -159,6 +223,21 @@ def main():
                 f"{r['rel_err']:.1e}",
             ]
             rows.append(row(cells, pallas=r["timing"], xla_reference=r["xla_timing"]))
+            if n in (16, 128):
+                q = _case(rng, label, lens, n, quantized=True)
+                print(json.dumps(jsonable(q)), flush=True)
+                cells = [
+                    q["case"],
+                    n,
+                    round(q["us"], 1),
+                    round(r["us"], 1),
+                    f"{q['us'] / r['us']:.2f}x",
+                    round(q["GB/s"]),
+                    f"{100 * q['GB/s'] / copy.gbs:.0f}%",
+                    round(q["TFLOP/s"], 1),
+                    f"{q['rel_err']:.1e}",
+                ]
+                fp8_rows.append(row(cells, pallas_fp8=q["timing"], pallas_bf16=r["timing"]))
     save(
         "decode",
         "Paged MLA decode (Pallas), page 64, bf16",
@@ -186,6 +265,34 @@ def main():
             "the kernel pads it to 16 heads, so it reads the same bytes as N = 16.",
         ],
         extra={"copy_bandwidth": copy.record()},
+        out_dir=args.out,
+    )
+    save(
+        "decode_fp8",
+        "Paged MLA decode (Pallas) over the FP8 cache, page 64, beside bf16",
+        [
+            "batch x context",
+            "N",
+            "fp8 us",
+            "bf16 us",
+            "fp8 / bf16",
+            "GB/s",
+            "of copy BW",
+            "TFLOP/s",
+            "rel err vs ref",
+        ],
+        fp8_rows,
+        [
+            "FP8 cache (kernels/fp8.py, FlashMLA's layout): per token 512 e4m3 latent values, "
+            "4 float32 power-of-two scales (one per 128), 64 bf16 rope values: 656 B "
+            "(bf16: 1152 B); queries bf16, dots bf16 with float32 accumulation.",
+            "bf16 us: the bf16 table's row of the same run (same case, same seed stream; "
+            "the FP8 inputs are a fresh random cache of the same distribution, quantized).",
+            "GB/s counts 656 B per context token plus q and out; the copy bandwidth is the "
+            f"bf16 table's ({copy.gbs:.0f} GB/s).",
+            "rel err: against the pure-jnp reference on the same FP8 cache (which dequantizes "
+            "exactly in bf16).",
+        ],
         out_dir=args.out,
     )
 

@@ -13,6 +13,10 @@ Decode rows start from requests whose context is already in the cache (zero rows
 by no prefill: the decode step reads them all the same) so that they time decode alone.
 
     PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR]
+
+``--kv-cache-dtypes auto,fp8`` instead compares cache layouts (``serve_kv_cache_<model>``):
+the decode rows (default 256 x 4096) on an engine per cache dtype, and how many concurrent
+4096-token requests each layout fits in the memory of the first one's cache.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from bench_moe import V2_LITE as V2_LITE_MOE
 from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
 from flax import nnx
 
+from mla_jax.cache import cache_dtype
 from mla_jax.config import ModelConfig, preset
 from mla_jax.engine import Engine, EngineConfig, Request
 from mla_jax.model import DeepseekModel
@@ -76,6 +81,7 @@ DECODE_STEPS = 48
 PROFILED_STEPS = 12
 PREFILL_LEN = 4096
 MIXED_MAX_PROMPT = 4000
+CAPACITY_TOKENS = 4096  # the request length the cache-layout comparison counts
 
 
 def _engine_config(**overrides) -> EngineConfig:
@@ -151,7 +157,13 @@ def _device_ms_per_step(run) -> tuple[float, dict]:
     return total_ms, {name[:80]: round(us / 1e3 / steps, 4) for name, us in top}
 
 
-def _decode_row(engine, model_cfg, model, bandwidth, batch, context) -> dict:
+def _cache_bytes_per_token(engine: Engine) -> float:
+    """Bytes a token takes in the engine's cache, all layers (every array of the layout)."""
+    total = sum(part.nbytes for part in jax.tree.leaves(engine.runner.cache))
+    return total / (engine.cfg.num_blocks * engine.cfg.block_size)
+
+
+def _decode_row(engine, model, bandwidth, batch, context) -> dict:
     stats = engine.stats
     before = len(stats.step_records)
     _decode_requests(engine, batch, context, DECODE_STEPS)
@@ -170,8 +182,7 @@ def _decode_row(engine, model_cfg, model, bandwidth, batch, context) -> dict:
         return PROFILED_STEPS
 
     device_ms, kernels = _device_ms_per_step(profiled)
-    mla = model_cfg.mla
-    kv_bytes = model_cfg.num_layers * batch * (context + DECODE_STEPS // 2) * mla.cache_width * 2
+    kv_bytes = batch * (context + DECODE_STEPS // 2) * _cache_bytes_per_token(engine)
     roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
     return {
         "cells": [
@@ -224,6 +235,69 @@ def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
     return rows
 
 
+def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
+    """Decode rows on an engine per ``args.kv_cache_dtypes``, and each layout's capacity in
+    4096-token requests within the memory of the first layout's cache."""
+    dtypes = args.kv_cache_dtypes.split(",")
+    decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+    blocks_per_request = -(-CAPACITY_TOKENS // PAGE)
+    rows, budget, first_requests = [], None, None
+    for dtype in dtypes:
+        engine = Engine(model, _engine_config(kv_cache_dtype=dtype), log=print)
+        token_bytes = _cache_bytes_per_token(engine)
+        if budget is None:  # the first layout's cache
+            budget = token_bytes * engine.cfg.num_blocks * PAGE
+        requests = int(budget // (token_bytes * PAGE * blocks_per_request))
+        if first_requests is None:
+            first_requests = requests
+        for batch, context in decode_rows:
+            row = _decode_row(engine, model, bandwidth, batch, context)
+            row["cells"] = [
+                row["cells"][0],
+                dtype,
+                round(token_bytes / model_cfg.num_layers, 1),
+                requests,
+                round(requests / first_requests, 2),
+                *row["cells"][1:],
+            ]
+            print(row, flush=True)
+            rows.append(row)
+        del engine  # its cache, before the next one's
+    mla = model_cfg.mla
+    save(
+        f"serve_kv_cache_{args.model}",
+        f"Serving: KV cache layouts on a {args.model}-shaped model (Engine.generate)",
+        [
+            "workload",
+            "kv cache",
+            "bytes/token/layer",
+            f"{CAPACITY_TOKENS}-token requests in budget",
+            "vs first",
+            "tokens/s",
+            "step wall ms",
+            "device ms",
+            "host ms",
+            "roofline ms",
+            "wall / roofline",
+        ],
+        rows,
+        [
+            f"{model_cfg.num_layers} layers, Lkv {mla.kv_lora_rank} + rope "
+            f"{mla.qk_rope_head_dim}, random bf16 weights, page {PAGE}, Pallas kernels; "
+            "auto: the model's dtype (bf16); fp8: e4m3 latent, a float32 scale per 128 "
+            "values, bf16 rope.",
+            f"Budget: the memory of the first layout's cache in this run ({budget / 1e9:.2f} "
+            f"GB, {_engine_config().num_blocks} blocks of {PAGE}); a request of "
+            f"{CAPACITY_TOKENS} tokens takes {blocks_per_request} blocks. Bytes per token are "
+            "those of the engine's cache arrays.",
+            "Step wall, device, host and roofline as in the serving table (roofline: weights + "
+            "the KV bytes of the layout).",
+        ],
+        extra={"model": dataclasses.asdict(model_cfg), "machine": machine()},
+        out_dir=args.out,
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
@@ -231,27 +305,41 @@ def main():
     ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
     ap.add_argument("--rows", default="decode,prefill,mixed")
     ap.add_argument("--decode-rows", help="e.g. 64x512,256x4096 (default: all)")
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        help="e.g. auto,fp8: compare cache layouts on the decode rows (default 256x4096) "
+        "instead of the serving table",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
+    for dtype in (args.kv_cache_dtypes or "auto").split(","):
+        try:
+            cache_dtype(dtype, jnp.bfloat16)
+        except ValueError as e:
+            ap.error(f"--kv-cache-dtypes: {e}")
     model_cfg = MODELS[args.model]
     if args.layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
     bandwidth = copy_bandwidth().gbs
     model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     weight_bytes = _weight_bytes(model, 1)
-    engine = Engine(model, _engine_config(), log=print)
     print(
         f"{args.model}: {model_cfg.num_layers} layers, {weight_bytes / 1e9:.2f} GB of weights "
         f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
         flush=True,
     )
+    if args.kv_cache_dtypes:
+        args.decode_rows = args.decode_rows or "256x4096"
+        _kv_cache_comparison(args, model, model_cfg, bandwidth)
+        return
+    engine = Engine(model, _engine_config(), log=print)
     rows, kinds = [], args.rows.split(",")
     if "decode" in kinds:
         decode_rows = DECODE_ROWS
         if args.decode_rows:
             decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
         for batch, context in decode_rows:
-            row = _decode_row(engine, model_cfg, model, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context)
             print(row, flush=True)
             rows.append(row)
     rng = np.random.default_rng(0)

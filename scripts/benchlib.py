@@ -193,10 +193,13 @@ def copy_bandwidth(gib: float = 2.0) -> CopyBandwidth:
 
 def parse_args(doc: str):
     """The bench scripts' command line: ``--out DIR`` (also write the JSON there) and
-    ``--sweep`` (time kernel variants instead of the table)."""
+    ``--sweep [NAME]`` (time kernel variants instead of the table: ``all``, or one set a
+    script names)."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--sweep", action="store_true", help="time kernel variants")
+    ap.add_argument(
+        "--sweep", nargs="?", const="all", help="time kernel variants (a script may name sets)"
+    )
     return ap.parse_args()
 
 

@@ -16,7 +16,7 @@ import sys
 import jax.numpy as jnp
 
 from mla_jax import compilation, sharding
-from mla_jax.cache import CacheFullError
+from mla_jax.cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.config import ConfigError, load_config
 from mla_jax.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.metadata import MetadataError
@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile every run")
     ap.add_argument("--impl", choices=["auto", "pallas", "reference"], default="auto")
     ap.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto: the model's dtype; fp8: e4m3 latent with a scale per 128 values",
+    )
+    ap.add_argument(
         "--tp",
         type=_positive_int,
         default=1,
@@ -157,6 +163,7 @@ def _engine_config(
             max_model_len=args.max_model_len,
             workspace_size=args.workspace_size,
             impl=args.impl,
+            kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel=args.tp,
             data_parallel=args.dp,
         )

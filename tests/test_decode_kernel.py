@@ -92,14 +92,22 @@ def _run(args, *, dtype=jnp.float32, impl="pallas", **kwargs):
     )
 
 
-@pytest.mark.parametrize(
-    "impl,split_tail", [("pallas", False), ("pallas", True), ("reference", False)]
-)
+# Pallas launch variants beside the reference: one masked loop, full steps unmasked with
+# the last one in a branch, and one masked loop whose next step's tiles are loaded early.
+VARIANTS = [
+    pytest.param("pallas", {}, id="pallas"),
+    pytest.param("pallas", {"split_tail": True}, id="pallas-split_tail"),
+    pytest.param("pallas", {"prefetch": True}, id="pallas-prefetch"),
+    pytest.param("reference", {}, id="reference"),
+]
+
+
+@pytest.mark.parametrize("impl,variant", VARIANTS)
 @pytest.mark.parametrize("block_size", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lengths_and_block_sizes(rng, block_size, dtype, impl, split_tail):
+def test_lengths_and_block_sizes(rng, block_size, dtype, impl, variant):
     """Empty, one-token, block-boundary and ragged lengths over every page size, with
-    poisoned unowned rows and padded table entries; both ways of masking the last step."""
+    poisoned unowned rows and padded table entries; every way of running the steps."""
     bs = block_size
     lens = [0, 1, bs, 2 * bs, bs + 3, 3 * bs - 1, int(rng.integers(1, 4 * bs))]
     args = _case(rng, lens, block_size=bs, dtype=dtype)
@@ -109,7 +117,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype, impl, split_tail):
         impl=impl,
         scale=0.11,
         schedule=decode.plan(args[-1], num_programs=3, block_k=32),
-        config=decode.default_config(16, 7)._replace(block_k=32, split_tail=split_tail),
+        config=decode.default_config(16, 7)._replace(block_k=32, **variant),
     )
     _check(got, _expected(*args, 0.11), args[-1], dtype)
 
