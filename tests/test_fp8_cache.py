@@ -10,7 +10,9 @@ far outside the cache.
 Tolerances, from errors measured against float64 (8 seeds x page 1, 16, 64 x both Pallas
 variants and the reference, CPU, 2026-11-22) with a margin of about 2x: out 3.5e-3 relative
 L2 (measured <= 1.7e-3, as for a bf16 cache: the scales are powers of two, so applying them
-to scores and probabilities rounds nothing), lse 8e-6 absolute (measured <= 3.3e-6). The
+to scores and probabilities rounds nothing), lse 8e-6 absolute (measured <= 3.3e-6) or 1e-6
+relative, whichever is larger (at DeepSeek scale, compiled on an H200, an lse of 19 was off
+by 8.05e-6, 4.2e-7 relative: a float32 ulp there is 1.9e-6). The
 float16 conversion (``DecodeConfig.fp8_compute``) is held to the same: it measured the same
 errors (<= 1.6e-3 and 2.2e-6, 6 seeds, page 16), which the bf16 output's rounding dominates.
 
@@ -35,7 +37,7 @@ from mla_jax.engine import Engine, EngineConfig, Request
 from mla_jax.tiny import tiny_checkpoint
 from mla_jax.weights import load_model
 
-OUT_TOL, LSE_TOL = 3.5e-3, 8e-6
+OUT_TOL, LSE_TOL, LSE_RTOL = 3.5e-3, 8e-6, 1e-6
 
 
 def _latents(rng, shape, spread: int = 6) -> np.ndarray:
@@ -122,7 +124,7 @@ def _check(got, args, dequantized, scale):
     live = lens > 0
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     assert rel_err(out[live], want[0][live]) < OUT_TOL
-    np.testing.assert_allclose(lse[live], want[1][live], rtol=0, atol=LSE_TOL)
+    np.testing.assert_allclose(lse[live], want[1][live], rtol=LSE_RTOL, atol=LSE_TOL)
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
 
 
