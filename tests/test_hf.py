@@ -284,7 +284,7 @@ def _teacher_forced_logits(model, cfg: EngineConfig, prompts, forced) -> list[np
     cache = runner.cache
     while scheduler.has_work:
         batch = scheduler.schedule()
-        layout, packed, rows, _ = runner.prepare(batch, None, engine.buckets)
+        layout, packed, rows, _ = runner.prepare([batch], None, engine.buckets)
         logits, cache = forward(layout, cache, packed)
         for entry, row in zip(batch, np.asarray(logits)[rows], strict=True):
             req = entry.request
