@@ -75,3 +75,9 @@ class KernelPlan:
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:
         device = device or jax.devices()[0]
         return cls(num_heads, getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS)
+
+    @classmethod
+    def for_impl(cls, impl: str | KernelSet, num_heads: int) -> KernelPlan | None:
+        """The plan for this device when ``impl`` selects the Pallas kernels (they need the
+        schedules); None for the references, which take none."""
+        return cls.for_device(num_heads) if select(impl) is PALLAS else None

@@ -49,7 +49,8 @@ class CacheManager:
             workspace_size=workspace_size,
             buckets=buckets,
             impl=impl,
-            kernel_plan=kernel_plan,
+            # Chosen once here, not on every step.
+            kernel_plan=kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads),
         )
         self._blocks: dict[Hashable, list[int]] = {}
         self._cached: dict[Hashable, int] = {}

@@ -215,7 +215,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # MoE layout, kept so that MoE layers are recognised and refused by name.
+    # Which layers are mixture-of-experts (``is_moe_layer``); ``moe`` configures them.
     n_routed_experts: int | None = None
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1

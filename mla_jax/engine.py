@@ -199,15 +199,17 @@ class Engine:
                 f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
             )
         self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
+        fixed = (self.buckets.num_prefills, self.buckets.table_width, self.buckets.num_chunks)
+        if cfg.data_parallel > 1 and None in fixed:
+            raise ValueError(
+                "data parallelism needs buckets that fix num_prefills, table_width and "
+                "num_chunks (EngineConfig.fixed_buckets), so that every rank's step has one shape"
+            )
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
             mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
-            cache_sharding = (
-                sharding.by_rank(mesh, axis=1)
-                if cfg.data_parallel > 1
-                else sharding.replicated(mesh)
-            )
+            cache_sharding = sharding.over_ranks(mesh, axis=1)
         cache = init_cache(
             self.model_cfg.num_layers,
             cfg.num_blocks,

@@ -93,8 +93,7 @@ def packed_metadata(
     _validate(context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False)
     context_lens, query_lens = np.asarray(context_lens), np.asarray(query_lens)
     order = np.argsort(query_lens != 1, kind="stable")
-    if kernel_plan is None and kernels.select(impl) is kernels.PALLAS:
-        kernel_plan = kernels.KernelPlan.for_device(num_heads)
+    kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads)
     attention = build_metadata(
         context_lens[order],
         query_lens[order],

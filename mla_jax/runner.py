@@ -114,10 +114,6 @@ class ModelRunner:
         self.mesh = mesh
         num_heads = model.cfg.mla.num_heads  # per rank: the kernels see a rank's heads
         kernel_set = kernels.select(impl)
-        if cache.shape[1] % ranks:
-            raise ValueError(
-                f"the cache's {cache.shape[1]} blocks do not divide among {ranks} DP ranks"
-            )
         if mesh is not None:
             num_heads //= mesh.shape[sharding.AXIS]
             shardings = sharding.param_shardings(state, mesh)
@@ -126,11 +122,9 @@ class ModelRunner:
                 for param, placement in zip(self.params, shardings, strict=True)
             ]
             self.key = jax.device_put(self.key, sharding.replicated(mesh))
-            if ranks > 1:
-                cache = jax.device_put(cache, sharding.by_rank(mesh, axis=1))
-                self.tokens = jax.device_put(self.tokens, sharding.by_rank(mesh))
-            else:
-                cache, self.tokens = jax.device_put((cache, self.tokens), sharding.replicated(mesh))
+            # The cache comes placed (the engine makes it in place: split over the DP ranks
+            # it may not fit one device whole).
+            self.tokens = jax.device_put(self.tokens, sharding.over_ranks(mesh))
             impl = sharding.sharded_kernels(kernel_set, mesh)
         self.cache = cache
         self.block_size = block_size
@@ -138,9 +132,7 @@ class ModelRunner:
         self.scratch_blocks = scratch_blocks(block_size, ranks)
         self.workspace_size = workspace_size
         self.max_rows = max_rows  # sampled-token rows of the largest step, per DP rank
-        self.kernel_plan = (
-            kernels.KernelPlan.for_device(num_heads) if kernel_set is kernels.PALLAS else None
-        )
+        self.kernel_plan = kernels.KernelPlan.for_impl(kernel_set, num_heads)
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
         self.compiled: list[tuple[StepShape, float, bool]] = []  # shape, seconds, from cache
@@ -183,12 +175,7 @@ class ModelRunner:
     def _common_buckets(self, batches: Sequence[Sequence[Scheduled]], buckets: Buckets) -> Buckets:
         """``buckets`` with one-entry decode and prefill-token ladders, the sizes the rank
         with the most decodes and the one with the most prefill tokens need: every rank's
-        step takes the same shape (its other axes are fixed)."""
-        if None in (buckets.num_prefills, buckets.table_width, buckets.num_chunks):
-            raise ValueError(
-                "data parallelism needs buckets that fix num_prefills, table_width and "
-                "num_chunks (EngineConfig.fixed_buckets), so that every rank's step has one shape"
-            )
+        step takes the same shape (its other axes are fixed: the engine checks it)."""
         decodes = max(sum(entry.count == 1 for entry in batch) for batch in batches)
         tokens = max(sum(entry.count for entry in batch if entry.count > 1) for batch in batches)
         return dataclasses.replace(
@@ -320,11 +307,7 @@ class ModelRunner:
         start, hits = time.perf_counter(), cache_hits()
         shardings = {}
         if self.mesh is not None:  # parameters, cache and sampled tokens as placed
-            inputs = (  # the packed buffers: a row per DP rank
-                sharding.by_rank(self.mesh)
-                if self.data_parallel > 1
-                else sharding.replicated(self.mesh)
-            )
+            inputs = sharding.over_ranks(self.mesh)  # the packed buffers: a row per DP rank
             shardings = dict(
                 in_shardings=(
                     [p.sharding for p in self.params],

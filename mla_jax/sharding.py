@@ -166,6 +166,12 @@ def by_rank(mesh: Mesh, axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*(None,) * axis, DATA_AXIS))
 
 
+def over_ranks(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Per-rank data (the cache on its block ``axis``, a step's packed buffers, the sampled
+    tokens): split over the DP ranks where there are several, else replicated."""
+    return by_rank(mesh, axis) if data_parallel(mesh) > 1 else replicated(mesh)
+
+
 def _heads_mesh(mesh: Mesh):
     """The mesh a kernel's ``shard_map`` over ``"tp"`` names: inside the runner's
     ``shard_map`` over ``"dp"``, the context's (``"dp"`` already manual), else ``mesh``."""

@@ -187,7 +187,7 @@ def load_model(
     for file, names in shards:
         with _open(file) as f:
             for name in names:
-                fp8 = _check_header(f.get_slice(name), name, *params[name], quantization)
+                fp8 = _check_header(f.get_slice(name), name, params[name][2], quantization)
                 if fp8 and scale_name(name) not in files:
                     raise WeightsError(
                         f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
@@ -222,9 +222,7 @@ def load_model(
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(
-    header, name: str, path: tuple, var: nnx.Variable, slot: TensorSlot, quantization
-) -> bool:
+def _check_header(header, name: str, slot: TensorSlot, quantization) -> bool:
     """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
     True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
     fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None

@@ -76,6 +76,15 @@ MODELS = {
         mla=preset("deepseek-v3"),
     ),
 }
+# The columns of a serving row: throughput and the decode step against its roofline.
+STEP_COLUMNS = [
+    "tokens/s",
+    "step wall ms",
+    "device ms",
+    "host ms",
+    "roofline ms",
+    "wall / roofline",
+]
 DECODE_ROWS = [(b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)]
 DECODE_STEPS = 48
 PROFILED_STEPS = 12
@@ -273,12 +282,7 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
             "bytes/token/layer",
             f"{CAPACITY_TOKENS}-token requests in budget",
             "vs first",
-            "tokens/s",
-            "step wall ms",
-            "device ms",
-            "host ms",
-            "roofline ms",
-            "wall / roofline",
+            *STEP_COLUMNS,
         ],
         rows,
         [
@@ -428,12 +432,7 @@ def main():
         f"Serving: {args.model}-shaped model through Engine.generate",
         [
             "workload",
-            "tokens/s",
-            "step wall ms",
-            "device ms",
-            "host ms",
-            "roofline ms",
-            "wall / roofline",
+            *STEP_COLUMNS,
         ],
         rows,
         notes,
