@@ -250,6 +250,30 @@ def build_metadata(
         query tiles), sized by the buckets so that they add no compilations.
     """
     ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
+    return _build(
+        ctx,
+        qlen,
+        bt,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        workspace_size=workspace_size,
+        buckets=buckets,
+        kernel_plan=kernel_plan,
+    )
+
+
+def _build(
+    ctx: np.ndarray,
+    qlen: np.ndarray,
+    bt: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    workspace_size: int,
+    buckets: Buckets,
+    kernel_plan: kernels.KernelPlan | None,
+) -> AttentionMetadata:
+    """``build_metadata`` on arrays ``_validate`` has checked and converted."""
     num_reqs = ctx.shape[0]
     seq_lens = ctx + qlen
     nd = int(np.count_nonzero(qlen == 1))

@@ -24,7 +24,7 @@ import numpy as np
 import kernels
 
 from .cache import PAD_SLOT
-from .metadata import AttentionMetadata, Buckets, MetadataError, _validate, build_metadata
+from .metadata import AttentionMetadata, Buckets, MetadataError, _build, _validate
 
 
 @jax.tree_util.register_dataclass
@@ -89,12 +89,14 @@ def packed_metadata(
       order of the requests here.
     """
     block_table = _rectangular(block_table)
-    # Errors name requests in the caller's order; the builder then sees decodes first.
-    _validate(context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False)
-    context_lens, query_lens = np.asarray(context_lens), np.asarray(query_lens)
+    # Checked once, errors naming requests in the caller's order; built decodes first (the
+    # checks hold in any order).
+    context_lens, query_lens, block_table = _validate(
+        context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False
+    )
     order = np.argsort(query_lens != 1, kind="stable")
     kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads)
-    attention = build_metadata(
+    attention = _build(
         context_lens[order],
         query_lens[order],
         block_table[order],
