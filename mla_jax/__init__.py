@@ -1,14 +1,14 @@
 """DeepSeek Multi-head Latent Attention for JAX over a paged latent KV cache."""
 
-from .attention import MLAAttention
-from .cache import BlockAllocator, CacheFullError, init_cache, write_cache
-from .cache_manager import CacheManager
-from .config import MLAConfig, ModelConfig, RopeConfig, load_config, preset
-from .engine import Engine, EngineConfig, Request
-from .metadata import AttentionMetadata, Buckets, build_metadata
-from .model import DeepseekModel
-from .packing import PackedMetadata, packed_metadata
-from .weights import load_model, save_checkpoint
+from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, init_cache, write_cache
+from mla_jax.cache.manager import CacheManager
+from mla_jax.cache.metadata import AttentionMetadata, Buckets, build_metadata
+from mla_jax.cache.packing import PackedMetadata, packed_metadata
+from mla_jax.checkpoint.loader import load_model, save_checkpoint
+from mla_jax.engine.engine import Engine, EngineConfig, Request
+from mla_jax.model.attention import MLAAttention
+from mla_jax.model.config import MLAConfig, ModelConfig, RopeConfig, load_config, preset
+from mla_jax.model.deepseek import DeepseekModel
 
 __all__ = [
     "AttentionMetadata",

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
 
-from kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels import KernelPlan, decode, fp8, reference
 
 LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5

@@ -12,10 +12,10 @@ import numpy as np
 from benchlib import parse_args, row, save, time_us
 from flax import nnx
 
-from kernels import KernelPlan
-from mla_jax.attention import MLAAttention
-from mla_jax.config import preset
-from mla_jax.metadata import build_metadata
+from mla_jax.cache.metadata import build_metadata
+from mla_jax.kernels import KernelPlan
+from mla_jax.model.attention import MLAAttention
+from mla_jax.model.config import preset
 
 PAGE = 64
 STEPS = [

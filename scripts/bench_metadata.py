@@ -12,8 +12,8 @@ import time
 import numpy as np
 from benchlib import Timing, parse_args, row, save
 
-from kernels import KernelPlan
-from mla_jax.metadata import build_metadata
+from mla_jax.cache.metadata import build_metadata
+from mla_jax.kernels import KernelPlan
 
 REPS, WARMUP = 500, 20
 BLOCK_SIZE, WORKSPACE = 16, 65536

@@ -25,10 +25,10 @@ import numpy as np
 from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
 from flax import nnx
 
-import kernels
-from kernels import grouped_matmul as gm
-from mla_jax.config import MoEConfig
-from mla_jax.moe import MoE, route, routed_experts
+from mla_jax import kernels
+from mla_jax.kernels import grouped_matmul as gm
+from mla_jax.model.config import MoEConfig
+from mla_jax.model.moe import MoE, route, routed_experts
 
 V2_LITE = MoEConfig(
     hidden_size=2048,

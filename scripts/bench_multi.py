@@ -35,10 +35,10 @@ from bench_serve import (
 from benchlib import _gpu_kernel_events, machine, save
 from flax import nnx
 
-from mla_jax.engine import Engine, Request
-from mla_jax.model import DeepseekModel
-from mla_jax.runner import scratch_blocks
-from mla_jax.tiny import TINY
+from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine.engine import Engine, Request
+from mla_jax.engine.runner import scratch_blocks
+from mla_jax.model.deepseek import DeepseekModel
 
 # Kernels of a collective: NCCL's own, whatever XLA names them.
 _COLLECTIVE = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all", re.I)
@@ -334,8 +334,8 @@ def _notes(model, model_cfg, args, steps: int, profiled: int) -> list[str]:
         f"GPU), page {args.block_size}, {args.impl} kernels, asynchronous scheduling; "
         f"{steps} timed decode steps, {profiled} traced.",
         "TP N: heads, MLP columns, routed experts and vocabulary split over N GPUs "
-        "(mla_jax/sharding.py); the latent cache is replicated, so every GPU holds and reads "
-        "all of it.",
+        "(mla_jax/parallel/sharding.py); the latent cache is replicated, so every GPU holds and "
+        "reads all of it.",
         "DP M: each of M GPUs (groups of N GPUs with x TP N) runs its own requests over its own "
         "part of the cache, the weights replicated over the DP ranks (each rank runs the MLP "
         "and experts on its own tokens: no collective across DP ranks).",

@@ -16,10 +16,10 @@ import numpy as np
 from benchlib import copy_bandwidth, parse_args, row, save, sweep, time_us
 from flax import nnx
 
-from kernels import PALLAS, KernelPlan, merge, prefill, reference
-from mla_jax.attention import MLAAttention
-from mla_jax.config import preset
-from mla_jax.metadata import build_metadata
+from mla_jax.cache.metadata import build_metadata
+from mla_jax.kernels import PALLAS, KernelPlan, merge, prefill, reference
+from mla_jax.model.attention import MLAAttention
+from mla_jax.model.config import preset
 
 DQK, DV = 192, 128
 SCALE = DQK**-0.5

@@ -37,10 +37,10 @@ from bench_moe import V2_LITE as V2_LITE_MOE
 from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
 from flax import nnx
 
-from mla_jax.cache import cache_dtype
-from mla_jax.config import ModelConfig, preset
-from mla_jax.engine import Engine, EngineConfig, Request
-from mla_jax.model import DeepseekModel
+from mla_jax.cache.latent_cache import cache_dtype
+from mla_jax.engine.engine import Engine, EngineConfig, Request
+from mla_jax.model.config import ModelConfig, preset
+from mla_jax.model.deepseek import DeepseekModel
 
 PAGE = 64
 MODELS = {

@@ -15,14 +15,15 @@ import sys
 
 import jax.numpy as jnp
 
-from mla_jax import compilation, sharding
-from mla_jax.cache import KV_CACHE_DTYPES, CacheFullError
-from mla_jax.config import ConfigError, load_config
-from mla_jax.engine import Engine, EngineConfig, Request, RequestError
-from mla_jax.metadata import MetadataError
-from mla_jax.runner import scratch_blocks
-from mla_jax.tiny import tiny_checkpoint
-from mla_jax.weights import WeightsError, load_model
+from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
+from mla_jax.cache.metadata import MetadataError
+from mla_jax.checkpoint.loader import WeightsError, load_model
+from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.engine import compilation
+from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
+from mla_jax.engine.runner import scratch_blocks
+from mla_jax.model.config import ConfigError, load_config
+from mla_jax.parallel import sharding
 
 # What a user can get wrong beyond the flags (the checkpoint, the requests' sizes): the
 # command line prints these as one line, not a traceback.

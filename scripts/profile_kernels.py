@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import KernelPlan, decode, prefill
+from mla_jax.kernels import KernelPlan, decode, prefill
 
 
 def main():

@@ -12,19 +12,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+sys.path.insert(0, TESTS)
 
-from kernels import KernelPlan  # noqa: E402
-from mla_jax.config import MLAConfig, RopeConfig  # noqa: E402
-from mla_jax.metadata import build_metadata  # noqa: E402
-from mla_jax.rope import cos_sin_scale, inv_freq  # noqa: E402
+from mla_jax.cache.metadata import build_metadata  # noqa: E402
+from mla_jax.kernels import KernelPlan  # noqa: E402
+from mla_jax.model.config import MLAConfig, RopeConfig  # noqa: E402
+from mla_jax.model.rope import cos_sin_scale, inv_freq  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def generate_script():
     """``scripts/generate.py`` as a module (scripts/ is not a package)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "generate.py")
+    path = os.path.join(ROOT, "scripts", "generate.py")
     spec = importlib.util.spec_from_file_location("generate", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,0 +1,24 @@
+"""Ragged causal (or full-context) flash attention with LSE: the Pallas kernel (Triton
+lowering) and its tile schedule."""
+
+from .pallas_triton import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    DEFAULT_NUM_STAGES,
+    DEFAULT_NUM_WARPS,
+    TileSchedule,
+    flash_prefill,
+    max_tiles,
+    plan,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "DEFAULT_BLOCK_Q",
+    "DEFAULT_NUM_STAGES",
+    "DEFAULT_NUM_WARPS",
+    "TileSchedule",
+    "flash_prefill",
+    "max_tiles",
+    "plan",
+]

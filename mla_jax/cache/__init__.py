@@ -1,0 +1,2 @@
+"""The paged latent KV cache: its arrays and writes, the block allocator, and the host-built
+metadata that tells a step where each token reads and writes."""

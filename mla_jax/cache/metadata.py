@@ -1,0 +1,489 @@
+"""Host-side (NumPy) attention metadata for one step of flattened tokens.
+
+A step holds requests in vLLM's order: decodes (one new token) first, then prefills. Every
+array is padded to a bucket, so the device sees few distinct shapes; the token axis is laid
+out as
+
+    [ decode slots (num_decodes bucket) | prefill slots (prefill-token bucket) ]
+
+with real tokens first in each region and padding (slot ``PAD_SLOT``, no keys) after them.
+Array shapes and the static fields (``ChunkedContext.workspace_size``, the prefill tile
+height) select the compiled program: one jit compilation per bucket. With a ``KernelPlan``
+the metadata also carries the Pallas kernels' work schedules, sized from the buckets alone.
+
+Everything here is vectorised NumPy: no Python loop over requests or tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mla_jax import kernels
+from mla_jax.cache.latent_cache import PAD_SLOT
+from mla_jax.kernels import decode as decode_kernel
+from mla_jax.kernels import prefill as prefill_kernel
+
+
+class MetadataError(ValueError):
+    """The requests of a step are malformed (lengths, order, block tables)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """How each padded size of a step is chosen. An axis with a ladder takes its smallest
+    entry that fits, an axis fixed to a size always takes it, and any other axis takes the
+    smallest power of two >= max(n, its minimum). The engine fixes every axis (see
+    ``EngineConfig.fixed_buckets``), so that the programs it can run are a small set known before
+    the first request; the defaults suit one-off calls."""
+
+    min_decodes: int = 8
+    min_prefill_tokens: int = 16
+    min_prefills: int = 1
+    min_blocks: int = 4
+    min_chunk_tokens: int = 256
+    token_buckets: tuple[int, ...] | None = None  # prefill-token ladder
+    decode_buckets: tuple[int, ...] | None = None  # decode batch ladder
+    num_prefills: int | None = None  # prefill slots of every step with prefills
+    table_width: int | None = None  # blocks per block-table row
+    num_chunks: int | None = None  # context chunks of every step with prefills
+
+    def decodes(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.decode_buckets is None:
+            return _pow2_at_least(n, self.min_decodes)
+        return _smallest_fit(n, self.decode_buckets, "decodes")
+
+    def prefill_tokens(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.token_buckets is None:
+            return _pow2_at_least(n, self.min_prefill_tokens)
+        return _smallest_fit(n, self.token_buckets, "prefill tokens")
+
+    def prefills(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.num_prefills is None:
+            return _pow2_at_least(n, self.min_prefills)
+        return _smallest_fit(n, (self.num_prefills,), "prefill requests")
+
+    def blocks(self, n: int) -> int:
+        if self.table_width is None:
+            return _pow2_at_least(n, self.min_blocks)
+        return _smallest_fit(n, (self.table_width,), "blocks of a request")
+
+    def chunks(self, n: int) -> int:
+        if self.num_chunks is None:
+            return 0 if n == 0 else _pow2_at_least(n, 1)
+        return _smallest_fit(n, (self.num_chunks,), "context chunks")
+
+    def chunk_tokens(self, n: int, workspace_size: int) -> int:
+        if self.num_chunks is not None:
+            return workspace_size
+        return min(_pow2_at_least(n, self.min_chunk_tokens), workspace_size)
+
+    def step_shapes(self, workspace_size: int) -> list[StepShape]:
+        """Every shape a step can take, when every axis is fixed or on a ladder: each decode
+        size (or none) with each prefill-token size (or none)."""
+        fixed = (
+            self.decode_buckets,
+            self.token_buckets,
+            self.num_prefills,
+            self.table_width,
+            self.num_chunks,
+        )
+        if None in fixed:
+            raise ValueError("these buckets leave an axis open: their shapes are not a fixed set")
+        return [
+            StepShape(
+                tokens=decodes + tokens,
+                decodes=decodes,
+                decode_blocks=self.table_width if decodes else 0,
+                prefills=self.num_prefills if tokens else 0,
+                prefill_blocks=self.table_width if tokens else 0,
+                chunks=self.num_chunks if tokens else 0,
+                chunk_tokens=workspace_size if tokens else 0,
+            )
+            for decodes in (0, *sorted(self.decode_buckets))
+            for tokens in (0, *sorted(self.token_buckets))
+            if decodes or tokens
+        ]
+
+
+def _smallest_fit(n: int, sizes: tuple[int, ...], what: str) -> int:
+    for size in sorted(sizes):
+        if size >= n:
+            return size
+    raise MetadataError(f"{n} {what} exceed the largest bucket {max(sizes)}")
+
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChunkedContext:
+    """Plan for the cached context of prefills, gathered ``workspace_size`` rows at a time.
+
+    Chunk ``c`` gathers, for each prefill ``r``, context positions
+    ``[starts[c, r], starts[c, r] + lens)`` into workspace rows
+    ``[cu_seq_lens[c, r], cu_seq_lens[c, r + 1])``; ``totals[c] = cu_seq_lens[c, -1]``.
+    """
+
+    cu_seq_lens: np.ndarray  # [C, Bp + 1] int32
+    starts: np.ndarray  # [C, Bp] int32, multiples of block_size
+    totals: np.ndarray  # [C] int32
+    workspace_size: int = dataclasses.field(metadata={"static": True})  # rows per chunk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeMetadata:
+    block_table: np.ndarray  # [Bd, Wd] int32; entries past a request's need are never read
+    seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
+    schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillMetadata:
+    query_start_loc: np.ndarray  # [Bp + 1] int32, offsets into the prefill token region
+    seq_lens: np.ndarray  # [Bp] int32: context + new tokens
+    context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
+    block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
+    chunks: ChunkedContext | None  # None when no prefill has cached context
+    schedule: prefill_kernel.TileSchedule | None = None  # query tiles (Pallas)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32; PAD_SLOT on padding
+    logits_indices: np.ndarray  # [Bd + Bp] int32: the last token of each request
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+    # The cache geometry the block ids were checked against (the module checks its cache).
+    block_size: int = dataclasses.field(metadata={"static": True})
+    num_blocks: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the padded token axis (the step's token bucket)."""
+        return self.positions.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.seq_lens.shape[0]
+
+    def token_rows(self) -> np.ndarray:
+        """Host-side: row of each real token in the padded token axis, in request order."""
+        return self._rows(0 if self.prefill is None else int(self.prefill.query_start_loc[-1]))
+
+    def request_rows(self) -> np.ndarray:
+        """Host-side: row of each real request in ``logits_indices``, in request order."""
+        return self._rows(
+            0
+            if self.prefill is None
+            else int(np.count_nonzero(np.diff(self.prefill.query_start_loc)))
+        )
+
+    def _rows(self, num_prefill_rows: int) -> np.ndarray:
+        nd = 0 if self.decode is None else int(np.count_nonzero(self.decode.seq_lens))
+        return np.concatenate([np.arange(nd), self.num_decode_tokens + np.arange(num_prefill_rows)])
+
+    def step_shape(self) -> StepShape:
+        """The bucket this step compiles for."""
+        d, p = self.decode, self.prefill
+        c = None if p is None else p.chunks
+        return StepShape(
+            tokens=self.positions.shape[0],
+            decodes=0 if d is None else d.seq_lens.shape[0],
+            decode_blocks=0 if d is None else d.block_table.shape[1],
+            prefills=0 if p is None else p.seq_lens.shape[0],
+            prefill_blocks=0 if p is None else p.block_table.shape[1],
+            chunks=0 if c is None else c.starts.shape[0],
+            chunk_tokens=0 if c is None else c.workspace_size,
+        )
+
+
+class StepShape(NamedTuple):
+    tokens: int
+    decodes: int
+    decode_blocks: int
+    prefills: int
+    prefill_blocks: int
+    chunks: int
+    chunk_tokens: int
+
+
+def build_metadata(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_table: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    workspace_size: int,
+    buckets: Buckets = Buckets(),
+    kernel_plan: kernels.KernelPlan | None = None,
+) -> AttentionMetadata:
+    """Metadata of one step, padded to buckets.
+
+    Args:
+      context_lens: ``[R]`` tokens of each request already in the cache.
+      query_lens: ``[R]`` new tokens this step (>= 1); requests with 1 are decodes and must
+        come first.
+      block_table: ``[R, W]`` cache block ids of each request; entries past
+        ``cdiv(context + query, block_size)`` are ignored.
+      block_size, num_blocks: the cache's geometry (block ids must be < num_blocks).
+      workspace_size: the most cached-context rows gathered at once (vLLM's bound).
+      kernel_plan: when given, also the Pallas kernels' work schedules (split-KV items,
+        query tiles), sized by the buckets so that they add no compilations.
+    """
+    ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
+    return _build(
+        ctx,
+        qlen,
+        bt,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        workspace_size=workspace_size,
+        buckets=buckets,
+        kernel_plan=kernel_plan,
+    )
+
+
+def _build(
+    ctx: np.ndarray,
+    qlen: np.ndarray,
+    bt: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    workspace_size: int,
+    buckets: Buckets,
+    kernel_plan: kernels.KernelPlan | None,
+) -> AttentionMetadata:
+    """``build_metadata`` on arrays ``_validate`` has checked and converted."""
+    num_reqs = ctx.shape[0]
+    seq_lens = ctx + qlen
+    nd = int(np.count_nonzero(qlen == 1))
+    npf = num_reqs - nd
+    n_tok = int(qlen.sum())
+
+    # Position and cache slot of every new token.
+    cu = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(qlen, out=cu[1:])
+    req_of_tok = np.repeat(np.arange(num_reqs), qlen)
+    pos = ctx[req_of_tok] + (np.arange(n_tok) - cu[req_of_tok])
+    slots = bt[req_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    ordered = np.sort(slots)
+    if (ordered[1:] == ordered[:-1]).any():
+        raise MetadataError("two new tokens map to the same cache slot: block tables overlap")
+
+    bd = buckets.decodes(nd)
+    tp = buckets.prefill_tokens(n_tok - nd)
+    bp = buckets.prefills(npf)
+    positions = np.zeros(bd + tp, np.int32)
+    slot_mapping = np.full(bd + tp, PAD_SLOT, np.int32)
+    positions[:nd], slot_mapping[:nd] = pos[:nd], slots[:nd]
+    positions[bd : bd + n_tok - nd], slot_mapping[bd : bd + n_tok - nd] = pos[nd:], slots[nd:]
+
+    logits_indices = np.zeros(bd + bp, np.int32)
+    logits_indices[:nd] = np.arange(nd)
+    logits_indices[bd : bd + npf] = bd + (cu[nd + 1 :] - nd) - 1
+
+    decode = None
+    if nd:
+        d_lens = _pad(seq_lens[:nd], bd)
+        schedule = None
+        if kernel_plan is not None:
+            programs = kernel_plan.decode_programs(bd)
+            schedule = decode_kernel.plan(
+                d_lens,
+                num_programs=programs,
+                block_k=kernel_plan.decode_config(bd).block_k,
+                num_items=decode_kernel.max_items(bd, programs),
+            )
+        decode = DecodeMetadata(
+            block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),
+            seq_lens=d_lens,
+            schedule=schedule,
+        )
+    prefill = None
+    if npf:
+        p_ctx = ctx[nd:]
+        qsl = np.full(bp + 1, n_tok - nd, np.int32)
+        qsl[: npf + 1] = cu[nd:] - nd
+        schedule = None
+        if kernel_plan is not None:
+            block_q = kernel_plan.prefill_block_q
+            schedule = prefill_kernel.plan(
+                qsl, tp, block_q, num_tiles=prefill_kernel.max_tiles(tp, bp, block_q)
+            )
+        prefill = PrefillMetadata(
+            query_start_loc=qsl,
+            seq_lens=_pad(seq_lens[nd:], bp),
+            context_lens=_pad(p_ctx, bp),
+            block_table=_pad_table(bt[nd:], p_ctx, bp, buckets, block_size),
+            chunks=_plan_chunks(_pad(p_ctx, bp), block_size, workspace_size, buckets),
+            schedule=schedule,
+        )
+    return AttentionMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
+        decode=decode,
+        prefill=prefill,
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+
+
+def _plan_chunks(
+    context_lens: np.ndarray, block_size: int, workspace_size: int, buckets: Buckets
+) -> ChunkedContext | None:
+    """vLLM's rule: the workspace is shared equally among the prefills that have context,
+    each share rounded down to whole blocks; chunk c covers ``[c * share, (c + 1) * share)``.
+    Chunks past the last needed one are empty (the module skips them); with no context at
+    all there are none, unless the buckets fix their number."""
+    n_ctx = int(np.count_nonzero(context_lens))
+    if n_ctx == 0 and buckets.num_chunks is None:
+        return None
+    share = workspace_size // max(n_ctx, 1) // block_size * block_size
+    if share == 0:
+        raise MetadataError(
+            f"workspace_size {workspace_size} is too small for {n_ctx} prefills with cached "
+            f"context: it needs at least {n_ctx * block_size} rows (one block each)"
+        )
+    num_chunks = -(-int(context_lens.max()) // share)
+    c = buckets.chunks(num_chunks)
+    starts = np.arange(c, dtype=np.int64)[:, None] * share
+    lens = np.clip(np.minimum(context_lens[None, :], starts + share) - starts, 0, None)
+    cu_seq_lens = np.zeros((c, context_lens.shape[0] + 1), np.int32)
+    np.cumsum(lens, axis=1, out=cu_seq_lens[:, 1:])
+    totals = cu_seq_lens[:, -1].copy()
+    return ChunkedContext(
+        cu_seq_lens=cu_seq_lens,
+        starts=np.broadcast_to(starts, lens.shape).astype(np.int32),
+        totals=totals,
+        workspace_size=buckets.chunk_tokens(int(totals.max()), workspace_size),
+    )
+
+
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, np.int32)
+    out[: x.shape[0]] = x
+    return out
+
+
+def _pad_table(
+    bt: np.ndarray, lens: np.ndarray, rows: int, buckets: Buckets, block_size: int
+) -> np.ndarray:
+    """Rows of ``bt`` cut to the blocks ``lens`` needs, padded to buckets; the entries past
+    that are zeroed, though no kernel reads them."""
+    needed = -(-lens // block_size)
+    width = buckets.blocks(int(needed.max()) if needed.size else 1)
+    w = min(width, bt.shape[1])
+    out = np.zeros((rows, width), np.int32)
+    used = np.arange(w)[None, :] < needed[:, None]
+    out[: bt.shape[0], :w] = np.where(used, bt[:, :w], 0)
+    return out
+
+
+def _validate(context_lens, query_lens, block_table, block_size, num_blocks, *, decodes_first=True):
+    """The checks of ``build_metadata``, errors naming requests by their index here;
+    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``)."""
+    ctx = np.asarray(context_lens)
+    qlen = np.asarray(query_lens)
+    bt = np.asarray(block_table)
+    if ctx.ndim != 1 or qlen.shape != ctx.shape or ctx.shape[0] == 0:
+        raise MetadataError(
+            f"context_lens {ctx.shape} and query_lens {qlen.shape} must be equal, non-empty 1-D"
+        )
+    if bt.ndim != 2 or bt.shape[0] != ctx.shape[0]:
+        raise MetadataError(f"block_table must be [num_requests={ctx.shape[0]}, W], got {bt.shape}")
+    for name, a in (("context_lens", ctx), ("query_lens", qlen), ("block_table", bt)):
+        if not np.issubdtype(a.dtype, np.integer):
+            raise MetadataError(f"{name} must hold integers, got dtype {a.dtype}")
+    if block_size <= 0:
+        raise MetadataError(f"block_size must be positive, got {block_size}")
+    _check(ctx >= 0, "context_lens must be >= 0", ctx)
+    _check(qlen >= 1, "query_lens must be >= 1", qlen)
+    ctx, qlen = ctx.astype(np.int64), qlen.astype(np.int64)
+    is_decode = qlen == 1
+    nd = int(np.count_nonzero(is_decode))
+    if decodes_first:
+        _check(is_decode[:nd], "decode requests (query_len 1) must come before prefills", qlen)
+    needed = -(-(ctx + qlen) // block_size)
+    _check(
+        needed <= bt.shape[1],
+        f"block_table (width {bt.shape[1]}) is narrower than a request needs",
+        needed,
+    )
+    # int32: half the time of an int64 compare over the [R, W] grid (widths are small)
+    used = np.arange(bt.shape[1], dtype=np.int32)[None, :] < needed.astype(np.int32)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bad.any():
+        r, w = np.argwhere(bad)[0]
+        raise MetadataError(
+            f"block_table[{r}, {w}] = {bt[r, w]} is not a block id in [0, {num_blocks})"
+        )
+    _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks)
+    return ctx, qlen, bt
+
+
+def _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks):
+    """No request's new tokens may go into a block that another request reads as context:
+    the step writes the cache before attention reads it. Only a request's own partly filled
+    last block is both. One gather over the used table entries; the rest is per written
+    entry (about one per request)."""
+    first = ctx // block_size  # the first table entry that receives new tokens
+    counts = needed - first
+    writer = np.repeat(np.arange(bt.shape[0]), counts)
+    column = np.arange(writer.shape[0]) - np.repeat(np.cumsum(counts) - counts - first, counts)
+    written = bt[writer, column]
+    is_written = np.zeros(num_blocks, bool)
+    is_written[written] = True
+    # Every written entry is used and names a written block; any other such entry is a full
+    # context block (column < first) that some request writes.
+    hits = used & np.take(is_written, bt, mode="clip")
+    if np.count_nonzero(hits) > written.shape[0]:
+        reader, w = np.argwhere(hits & (np.arange(bt.shape[1]) < first[:, None]))[0]
+        _raise_overwrite(reader, bt[reader, w], writer, written)
+    # A partly filled last block is its reader's first written entry: a second write entry of
+    # the same block (any request's) writes into that context.
+    ordered = np.sort(written)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if twice.size:
+        partial = np.flatnonzero(ctx % block_size)
+        shared = np.isin(bt[partial, first[partial]], twice)
+        if shared.any():
+            reader = partial[np.argmax(shared)]
+            _raise_overwrite(reader, bt[reader, first[reader]], writer, written)
+
+
+def _raise_overwrite(reader, block, writer, written):
+    """Names a request that writes ``block``: another than ``reader`` unless only it does (a
+    block listed twice in its own table)."""
+    writers = writer[written == block]
+    others = writers[writers != reader]
+    culprit = others[0] if others.size else reader
+    raise MetadataError(
+        f"request {culprit} writes new tokens into cache block {block}, which request {reader} "
+        "reads as context: block tables overlap"
+    )
+
+
+def _check(ok: np.ndarray, message: str, values: np.ndarray) -> None:
+    if not ok.all():
+        i = int(np.argmin(ok))
+        raise MetadataError(f"{message} (request {i}: {values[i]})")

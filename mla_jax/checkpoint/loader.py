@@ -1,0 +1,256 @@
+"""Hugging Face safetensors checkpoints <-> DeepseekModel.
+
+Parameter paths map to HF tensor names mechanically. The decoder layers' parameters are
+stacked, so ``layers.self_attn.q_a_proj.kernel [L, in, out]`` holds one tensor per layer:
+its row ``i`` is ``model.layers.{i}.self_attn.q_a_proj.weight`` transposed (HF stores
+``[out, in]``). ``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head``
+has no ``model.`` prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from mla_jax.checkpoint.fp8_weights import dequantize, read_safetensors, scale_name
+from mla_jax.model.config import ModelConfig, config_to_dict, load_config
+from mla_jax.model.deepseek import DeepseekModel
+from mla_jax.model.moe import hf_expert_names, hf_expert_slice
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# safetensors header dtypes that hold weights; integer (and FP8) tensors would be cast to
+# floats silently, so they are refused by name instead.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+class WeightsError(ValueError):
+    """A checkpoint's tensors do not match the model its config.json describes."""
+
+
+class TensorSlot(NamedTuple):
+    """Where HF tensor ``name`` goes: ``parameter[index] = tensor.transpose(axes)``."""
+
+    name: str
+    index: tuple  # into the (stacked) parameter: ints and slices
+    axes: tuple[int, ...]  # the transpose taking HF's layout to the parameter's
+    hf_shape: tuple[int, ...]  # the shape the HF tensor must have
+
+
+def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+    """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
+    run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
+    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one."""
+    parts = [str(p) for p in path]
+    if parts[-1] in ("kernel", "embedding"):
+        parts[-1] = "weight"
+    if parts[0] != "layers":
+        name = ".".join(parts)
+        slot_name = name if parts[0] == "lm_head" else f"model.{name}"
+        return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
+    first = cfg.layer_runs()[int(parts[1])][0]
+    rest = ".".join(parts[2:])
+    slots = []
+    for i in range(shape[0]):
+        prefix = f"model.layers.{first + i}"
+        if parts[2:4] == ["mlp", "experts"]:
+            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe):
+                where = hf_expert_slice(name, cfg.moe)
+                if where.param == parts[4]:
+                    slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
+        else:
+            slots.append(
+                _plain_slot(f"{prefix}.{rest}", (i,), shape, transposed=_is_transposed(path))
+            )
+    return slots
+
+
+def _plain_slot(name: str, index: tuple, shape: tuple[int, ...], *, transposed: bool):
+    own = tuple(shape[len(index) :])
+    if transposed:
+        return TensorSlot(name, index, (1, 0), own[::-1])
+    return TensorSlot(name, index, tuple(range(len(own))), own)
+
+
+def _is_transposed(path: tuple) -> bool:
+    return path[-1] == "kernel"
+
+
+@contextlib.contextmanager
+def _open(file: str) -> Iterator:
+    """``safe_open`` whose errors (a truncated or corrupt file, on opening or on reading a
+    tensor) name the file."""
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise WeightsError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def _weight_map(index_path: str) -> dict[str, str]:
+    """The index's tensor name -> shard file name."""
+    with open(index_path) as f:
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise WeightsError(f"{index_path} is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) for file in weight_map.values()
+    ):
+        raise WeightsError(f"{index_path} has no 'weight_map' object of tensor -> file names")
+    return weight_map
+
+
+def _checkpoint_files(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file holding it (sharded or single-file checkpoints)."""
+    index_path = os.path.join(model_dir, _INDEX)
+    if os.path.isfile(index_path):
+        weight_map = _weight_map(index_path)
+        files = {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise WeightsError(f"{index_path} names the missing shard {os.path.basename(file)}")
+        return files
+    single = os.path.join(model_dir, _SINGLE)
+    if not os.path.isfile(single):
+        raise WeightsError(f"no {_SINGLE} or {_INDEX} in {model_dir}")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that generation does not use: rotary buffers and the
+    multi-token-prediction layers DeepSeek-V3 appends after the decoder."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    n_extra = cfg.num_nextn_predict_layers
+    return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + n_extra
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_model(
+    model_dir: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    verbose: bool = False,
+    placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
+) -> tuple[ModelConfig, DeepseekModel]:
+    """Builds the model ``config.json`` describes and fills it from the checkpoint's tensors,
+    cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors.
+    ``placement(path, ndim)``: where each parameter goes (e.g. ``sharding.placement``, which
+    sends each device only its shards); default: the default device."""
+    model_dir = os.fspath(model_dir)
+    cfg = load_config(model_dir)
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = {}  # HF name -> (parameter path, its abstract variable, its slot)
+    for path, var in nnx.to_flat_state(state):
+        for slot in hf_tensors(path, var.shape, cfg):
+            params[slot.name] = (path, var, slot)
+    files = _checkpoint_files(model_dir)
+
+    missing = sorted(set(params) - set(files))
+    if missing:
+        raise WeightsError(f"checkpoint {model_dir} lacks tensors: {_listing(missing)}")
+    quantization = cfg.quantization
+    scales = set()  # the block scales of fp8 weights, read with their weights
+    if quantization is not None:
+        scales = {scale_name(n) for n in params if scale_name(n) in files}
+    unexpected = sorted(n for n in set(files) - set(params) - scales if not _ignorable(n, cfg))
+    if unexpected:
+        raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
+
+    by_file = defaultdict(list)
+    for name in params:
+        by_file[files[name]].append(name)
+    shards = sorted(by_file.items())
+    # Headers first: a wrong dtype or shape in the last shard is refused before any data is read.
+    for file, names in shards:
+        with _open(file) as f:
+            for name in names:
+                fp8 = _check_header(f.get_slice(name), name, params[name][2], quantization)
+                if fp8 and scale_name(name) not in files:
+                    raise WeightsError(
+                        f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
+                    )
+    # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
+    buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
+    for i, (file, names) in enumerate(shards):
+        if verbose:
+            print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
+        with _open(file) as f:
+            for name in names:
+                path, _, slot = params[name]
+                if f.get_slice(name).get_dtype() == "F8_E4M3":
+                    # Dequantized tensor by tensor: host memory holds one in float32 at a time.
+                    scale = read_safetensors(files[scale_name(name)], scale_name(name))
+                    array = read_safetensors(file, name)
+                    try:
+                        array = dequantize(array, scale, quantization)
+                    except ValueError as e:
+                        raise WeightsError(f"tensor {name}: {e}") from None
+                else:
+                    array = f.get_tensor(name)
+                buffers[path][slot.index] = array.transpose(slot.axes)
+    variables = {path: var for path, var, _ in params.values()}
+
+    def put(path: tuple, buffer: np.ndarray) -> jax.Array:
+        if placement is None:
+            return jnp.asarray(buffer)
+        return jax.device_put(buffer, placement(path, buffer.ndim))
+
+    loaded = [(path, variables[path].replace(put(path, b))) for path, b in buffers.items()]
+    return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _check_header(header, name: str, slot: TensorSlot, quantization) -> bool:
+    """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
+    True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
+    fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None
+    if fp8 and len(slot.hf_shape) != 2:
+        raise WeightsError(f"tensor {name} is fp8 but not a matrix {list(slot.hf_shape)}")
+    if not fp8 and header.get_dtype() not in _FLOAT_DTYPES:
+        raise WeightsError(
+            f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
+            f"({', '.join(_FLOAT_DTYPES)})"
+        )
+    shape = tuple(header.get_shape())
+    want = slot.hf_shape
+    if shape != want:
+        raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
+    return fp8
+
+
+def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` under HF names (``load_model``'s
+    inverse)."""
+    model_dir = os.fspath(model_dir)
+    os.makedirs(model_dir, exist_ok=True)
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        array = np.asarray(var[...])
+        for slot in hf_tensors(path, array.shape, model.cfg):
+            inverse = np.argsort(slot.axes)
+            tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
+    save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config_to_dict(model.cfg), f, indent=2)

@@ -1,0 +1,452 @@
+"""A small generation engine: continuous batching, chunked prefill, a fixed set of programs.
+
+The engine checks requests, asks the scheduler (``scheduler.py``) for each step and hands it
+to the model runner (``runner.py``). With ``async_scheduling`` (the default) it builds and
+launches step n+1 before reading step n's sampled tokens, as vLLM's asynchronous scheduling
+does, so the host's work overlaps the device's; a request that ends on an EOS token is found
+one step late, and that step's token for it is dropped.
+
+Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
+decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
+context chunks), so a workload compiles only from that set, which ``precompile()`` compiles
+ahead of time and JAX's persistent cache (``mla_jax.engine.compilation``) keeps across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
+from mla_jax.cache.metadata import Buckets, StepShape
+from mla_jax.engine.runner import Launched, ModelRunner, scratch_blocks
+from mla_jax.engine.scheduler import Request, Scheduled, Scheduler
+from mla_jax.model.config import ModelConfig
+from mla_jax.model.deepseek import DeepseekModel
+from mla_jax.parallel import sharding
+
+__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "Stats", "StepRecord"]
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run: empty prompt, token ids outside the vocabulary, too
+    long for the model, bad sampling settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64
+    max_num_prefills: int | None = None  # prompt chunks per step (default: up to 4)
+    max_model_len: int | None = None  # longest sequence admitted (default: model_len())
+    workspace_size: int = 8192  # cached-context rows gathered per chunk
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), bfloat16, float32 or fp8
+    buckets: Buckets | None = None  # default: fixed_buckets(max_model_len)
+    impl: str = "auto"  # kernels.select
+    # Launch step n+1 before reading step n's tokens (host work overlaps the device's).
+    async_scheduling: bool = True
+    # Devices the heads, MLP columns, vocabulary and experts are split across (sharding.py).
+    tensor_parallel: int = 1
+    # Ranks (of tensor_parallel devices each) that each run their own requests over their
+    # own num_blocks / data_parallel cache blocks; max_num_seqs and max_num_batched_tokens
+    # bound each rank's step (sharding.py).
+    data_parallel: int = 1
+
+    def __post_init__(self):
+        for name in (
+            "block_size",
+            "num_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tensor_parallel",
+            "data_parallel",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks % self.data_parallel:
+            raise ValueError(
+                f"num_blocks ({self.num_blocks}) does not divide among "
+                f"data_parallel={self.data_parallel} ranks"
+            )
+        scratch = scratch_blocks(self.block_size, self.data_parallel)
+        if self.num_blocks // self.data_parallel <= scratch:
+            raise ValueError(
+                f"num_blocks ({self.num_blocks}) leaves no block to each of data_parallel="
+                f"{self.data_parallel} ranks after its {scratch} scratch blocks"
+            )
+        cache_dtype(self.kv_cache_dtype, np.float32)  # refuses names the kernels don't take
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.workspace_size < self.block_size:
+            raise ValueError(
+                f"workspace_size ({self.workspace_size}) must hold at least one block "
+                f"({self.block_size})"
+            )
+        if self.max_num_prefills is not None and not (
+            0 < self.max_num_prefills <= self.workspace_size // self.block_size
+        ):
+            raise ValueError(
+                f"max_num_prefills ({self.max_num_prefills}) must be positive and the "
+                f"workspace ({self.workspace_size}) must hold a block ({self.block_size}) "
+                "for each"
+            )
+
+    @property
+    def prefill_slots(self) -> int:
+        """Prompt chunks per step: ``max_num_prefills``, by default as many as the workspace
+        holds a block for, up to 4."""
+        return self.max_num_prefills or min(4, self.workspace_size // self.block_size)
+
+    def model_len(self, max_position_embeddings: int) -> int:
+        """The longest sequence admitted: ``max_model_len``, else the smaller of the model's
+        ``max_position_embeddings`` and what the cache holds (it sets the block-table width
+        every step carries, so a 160K-position model with a small cache stays cheap)."""
+        cache_tokens = self.num_blocks // self.data_parallel * self.block_size  # a rank's
+        return self.max_model_len or min(max_position_embeddings, cache_tokens)
+
+    def fixed_buckets(self, max_model_len: int) -> Buckets:
+        """The only shapes the engine runs: decode batches on a x4 ladder from 16 up to
+        ``max_num_seqs``, prefill tokens a quarter of the budget or all of it,
+        ``prefill_slots`` prefill slots, block tables as wide as ``max_model_len`` needs,
+        and as many context chunks as such a context can take (the empty ones are skipped)."""
+        decodes = [size for size in (16, 64, 256, 1024) if size < self.max_num_seqs]
+        budget = self.max_num_batched_tokens
+        tokens = sorted({budget} | ({budget // 4} if budget // 4 >= 16 else set()))
+        share = self.workspace_size // self.prefill_slots // self.block_size * self.block_size
+        return Buckets(
+            decode_buckets=(*decodes, self.max_num_seqs),
+            token_buckets=tuple(tokens),
+            num_prefills=self.prefill_slots,
+            table_width=-(-max_model_len // self.block_size),
+            num_chunks=max(1, -(-(max_model_len - 1) // share)),
+        )
+
+
+class StepRecord(NamedTuple):
+    """One step as the host saw it: its tokens, its shape, ``host_s`` (scheduling, building
+    and launching it, compilation excluded) and ``interval_s`` (since the previous step's
+    launch: in a steady run, the step's wall time)."""
+
+    decodes: int
+    prefill_tokens: int
+    shape: StepShape
+    host_s: float
+    interval_s: float
+
+
+@dataclasses.dataclass
+class Stats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    compile_s: float = 0.0  # compiling, or loading from the compilation cache
+    programs_from_cache: int = 0  # of the buckets, those loaded from the compilation cache
+    first_token_s: float | None = None  # from generate()'s start to its first sampled token
+    preemptions: int = 0  # requests whose blocks were taken, to be recomputed
+    buckets: list[StepShape] = dataclasses.field(default_factory=list)
+    step_records: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        run_s = max(self.elapsed_s - self.compile_s, 1e-9)
+        decode_steps = [r for r in self.step_records if r.decodes and not r.prefill_tokens]
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "compile_s": round(self.compile_s, 4),
+            "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
+            "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
+            "decode_steps": len(decode_steps),
+            "decode_step_ms": _median_ms([r.interval_s for r in decode_steps[1:]]),
+            "decode_host_ms": _median_ms([r.host_s for r in decode_steps]),
+            "programs": len(self.buckets),
+            "programs_from_cache": self.programs_from_cache,
+            "preemptions": self.preemptions,
+            "buckets": [s._asdict() for s in self.buckets],
+        }
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(float(np.median(seconds)) * 1e3, 3) if seconds else None
+
+
+class Engine:
+    """Runs requests to completion over a model and its paged latent cache."""
+
+    def __init__(
+        self,
+        model: DeepseekModel,
+        cfg: EngineConfig = EngineConfig(),
+        *,
+        seed: int = 0,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.model_cfg: ModelConfig = model.cfg
+        self.cfg = cfg
+        self.max_model_len = cfg.model_len(self.model_cfg.max_position_embeddings)
+        if self.max_model_len > self.model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({self.model_cfg.max_position_embeddings})"
+            )
+        self.buckets = cfg.buckets or cfg.fixed_buckets(self.max_model_len)
+        fixed = (self.buckets.num_prefills, self.buckets.table_width, self.buckets.num_chunks)
+        if cfg.data_parallel > 1 and None in fixed:
+            raise ValueError(
+                "data parallelism needs buckets that fix num_prefills, table_width and "
+                "num_chunks (EngineConfig.fixed_buckets), so that every rank's step has one shape"
+            )
+        mesh = cache_sharding = None
+        if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
+            sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
+            mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
+            cache_sharding = sharding.over_ranks(mesh, axis=1)
+        cache = init_cache(
+            self.model_cfg.num_layers,
+            cfg.num_blocks,
+            cfg.block_size,
+            self.model_cfg.mla.cache_width,
+            cache_dtype(cfg.kv_cache_dtype, model.embed_tokens.embedding[...].dtype),
+            kv_lora_rank=self.model_cfg.mla.kv_lora_rank,
+            sharding=cache_sharding,
+        )
+        self.runner = ModelRunner(
+            model,
+            cache,
+            block_size=cfg.block_size,
+            workspace_size=cfg.workspace_size,
+            # A step samples at most one token per decode slot and prefill slot.
+            max_rows=self.buckets.decodes(cfg.max_num_seqs)
+            + self.buckets.prefills(cfg.prefill_slots),
+            impl=cfg.impl,
+            seed=seed,
+            mesh=mesh,
+        )
+        # One allocator and scheduler per DP rank, over its blocks less the runner's scratch.
+        self.blocks_per_rank = self.runner.num_blocks - self.runner.scratch_blocks
+        self.schedulers = [
+            Scheduler(
+                BlockAllocator(self.blocks_per_rank),
+                block_size=cfg.block_size,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_num_seqs=cfg.max_num_seqs,
+                prefill_slots=cfg.prefill_slots,
+            )
+            for _ in range(cfg.data_parallel)
+        ]
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.stats = Stats()
+        self._last_launch: float | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler, without data parallelism (``schedulers``: one per DP rank)."""
+        if len(self.schedulers) != 1:
+            raise ValueError(
+                f"data_parallel={len(self.schedulers)}: the engine has one scheduler and "
+                "allocator per rank (engine.schedulers)"
+            )
+        return self.schedulers[0]
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The block allocator, without data parallelism."""
+        return self.scheduler.allocator
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _check(self, req: Request) -> None:
+        vocab, max_len = self.model_cfg.vocab_size, self.max_model_len
+        if not req.prompt_ids:
+            raise RequestError("a prompt needs at least one token")
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if req.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if req.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {req.temperature}")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        where = f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
+        if total > self.model_cfg.max_position_embeddings:
+            raise RequestError(
+                f"{where} exceeds max_position_embeddings {self.model_cfg.max_position_embeddings}"
+            )
+        blocks = -(-total // self.cfg.block_size)
+        if blocks > self.blocks_per_rank:
+            where = " per DP rank" if self.cfg.data_parallel > 1 else ""
+            raise CacheFullError(
+                f"a request of {total} tokens needs {blocks} cache blocks of "
+                f"{self.cfg.block_size}; the cache has {self.blocks_per_rank}{where}"
+            )
+        if total > max_len:
+            raise RequestError(f"{where} exceeds max_model_len {max_len}")
+
+    def _done(self, req: Request) -> bool:
+        if len(req.output_ids) >= req.max_new_tokens:
+            return True
+        eos = self.model_cfg.eos_token_ids
+        return not req.ignore_eos and bool(req.output_ids) and req.output_ids[-1] in eos
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _launch(
+        self,
+        batches: list[list[Scheduled]],
+        previous: Launched | None,
+        started: float,
+        buckets=None,
+    ) -> Launched:
+        """Starts each DP rank's batch on the device (``started``: when its scheduling
+        began)."""
+        compiled = len(self.runner.compiled)
+        launched = self.runner.launch(batches, previous, buckets or self.buckets)
+        batch = launched.batch
+        now = time.perf_counter()
+        compile_s = 0.0
+        for shape, seconds, from_cache in self.runner.compiled[compiled:]:
+            compile_s += seconds
+            self.stats.compile_s += seconds
+            self.stats.programs_from_cache += from_cache
+            self.stats.buckets.append(shape)
+            how = "loaded from the compilation cache" if from_cache else "compiled"
+            self.log(f"{how} bucket {shape} in {seconds:.2f}s")
+        decodes = sum(entry.count == 1 for entry in batch)
+        interval = 0.0 if self._last_launch is None else now - self._last_launch - compile_s
+        self.stats.step_records.append(
+            StepRecord(
+                decodes,
+                sum(entry.count for entry in batch) - decodes,
+                launched.shape,
+                now - started - compile_s,
+                interval,
+            )
+        )
+        self._last_launch = now
+        return launched
+
+    def _collect(self, launched: Launched, t_start: float) -> None:
+        """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
+        tokens = np.asarray(launched.tokens)[launched.rows]
+        ranks = launched.rows // self.runner.max_rows  # each DP rank has max_rows rows
+        now = time.perf_counter()
+        for entry, token, rank in zip(launched.batch, tokens, ranks, strict=True):
+            req = entry.request
+            if not entry.samples:
+                continue
+            req.num_pending -= 1
+            if req.finished:  # ended by an EOS found after this step was launched
+                continue
+            req.output_ids.append(int(token))
+            req.token_times.append(now)
+            self.stats.generated_tokens += 1
+            if self.stats.first_token_s is None:
+                self.stats.first_token_s = now - t_start
+            if self._done(req):
+                self.schedulers[rank].finish(req)
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every program this engine can run (its buckets fix every axis)."""
+        return self.buckets.step_shapes(self.cfg.workspace_size)
+
+    def precompile(self, steps: list[list[tuple[int, int]]] | None = None) -> list[StepShape]:
+        """Compiles programs ahead of serving: by default all of ``step_shapes()``, else
+        those of the given steps, each a list of ``(context_len, query_len)`` pairs, decodes
+        (query_len 1) first, e.g. ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on
+        dummy tokens in freshly allocated blocks, which go back to the allocator: call it
+        while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
+        so far). With data parallelism the steps run on the first rank, the others padded."""
+        if steps is not None:
+            return [self._dummy_step(pairs, self.buckets) for pairs in steps]
+        shapes = []
+        for shape in self.step_shapes():
+            # One decode and one 2-token prompt, padded to this shape's sizes.
+            pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
+            buckets = dataclasses.replace(
+                self.buckets,
+                decode_buckets=(shape.decodes or 1,),
+                token_buckets=(shape.tokens - shape.decodes or 1,),
+            )
+            shapes.append(self._dummy_step(pairs, buckets))
+        return shapes
+
+    def _dummy_step(self, pairs: list[tuple[int, int]], buckets: Buckets) -> StepShape:
+        scheduler, batch = self.schedulers[0], []
+        idle = [[] for _ in self.schedulers[1:]]
+        try:
+            for context_len, query_len in pairs:
+                req = Request([0] * (context_len + query_len), max_new_tokens=1)
+                if not scheduler.grow(req, context_len + query_len):
+                    raise CacheFullError("too few free cache blocks to precompile")
+                batch.append(Scheduled(req, context_len, query_len, True))
+            launched = self._launch([batch, *idle], None, time.perf_counter(), buckets)
+            launched.tokens.block_until_ready()
+            return launched.shape
+        finally:
+            self._last_launch = None
+            for entry in batch:
+                scheduler.release(entry.request)
+
+    def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
+        """Runs every request to completion; returns them in the given order."""
+        for req in requests:
+            self._check(req)
+        schedulers = self.schedulers
+        for req in requests:  # to the DP rank with the fewest requests
+            rank = min(
+                range(len(schedulers)),
+                key=lambda r: len(schedulers[r].running) + len(schedulers[r].waiting),
+            )
+            schedulers[rank].add(req)
+        t_start = t_log = time.perf_counter()
+        elapsed_before = self.stats.elapsed_s
+        in_flight: Launched | None = None
+        while any(s.has_work for s in schedulers) or in_flight is not None:
+            started = time.perf_counter()
+            batches = [s.schedule() if s.has_work else [] for s in schedulers]
+            launched = None
+            if any(batches):
+                self.stats.steps += 1
+                for req, start, count, _ in (entry for batch in batches for entry in batch):
+                    prompt_len = len(req.prompt_ids)
+                    self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
+                launched = self._launch(batches, in_flight, started)
+            elif in_flight is None:
+                free = [s.allocator.num_free for s in schedulers]
+                raise CacheFullError(f"no request can be scheduled: {sum(free)} free blocks")
+            if in_flight is not None:  # the device already has the next step, if any
+                self._collect(in_flight, t_start)
+            in_flight = launched
+            if in_flight is not None and not self.cfg.async_scheduling:
+                self._collect(in_flight, t_start)
+                in_flight = None
+            now = time.perf_counter()
+            self.stats.elapsed_s = elapsed_before + now - t_start
+            self.stats.preemptions = sum(s.preemptions for s in schedulers)
+            has_work = any(s.has_work for s in schedulers)
+            if now - t_log >= progress_every_s or not (has_work or in_flight):
+                t_log = now
+                running = sum(len(s.running) for s in schedulers)
+                self.log(self._progress(running, sum(len(s.waiting) for s in schedulers)))
+        self._last_launch = None
+        return requests
+
+    def _progress(self, running: int, waiting: int) -> str:
+        s = self.stats.as_dict()
+        return (
+            f"step {s['steps']}: {running} running, {waiting} waiting | "
+            f"{s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens, "
+            f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling or loading "
+            f"{len(self.stats.buckets)} buckets)"
+        )

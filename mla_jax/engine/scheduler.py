@@ -1,0 +1,197 @@
+"""Requests and the scheduler: which tokens of which requests each step runs.
+
+Each step takes every running decode (one token each) and then fills the rest of the token
+budget with up to ``prefill_slots`` prompt chunks, so long prompts span steps and come back
+with cached context. Cache blocks are allocated as tokens arrive; when a decode finds none
+free, the newest running request is preempted (its blocks freed) and later recomputed from
+its prompt and the tokens it had generated, as vLLM does. A request waits while its next
+chunk finds no free block.
+
+A step is scheduled before the previous one's sampled tokens reach the host (the engine
+overlaps them): a request's sampled but unread token is *pending*. It counts as one of the
+request's tokens, and the device feeds it to the next step itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from mla_jax.cache.latent_cache import BlockAllocator
+
+
+@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields hold
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    num_computed: int = 0  # tokens in the cache, or being written by a step in flight
+    num_pending: int = 0  # tokens sampled by steps whose results the host has not read
+    num_preemptions: int = 0  # times its blocks were taken and its tokens recomputed
+    finished: bool = False
+    token_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter, per output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def wants_tokens(self) -> bool:
+        """Not finished, and its known and pending tokens leave room for another."""
+        return not self.finished and len(self.output_ids) + self.num_pending < self.max_new_tokens
+
+    def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
+        """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the
+        pending token (whose id is only on the device, given here as 0), if they hold it.
+        Slices only (no copy of a whole prompt: this runs for every request every step)."""
+        prompt_len = len(self.prompt_ids)
+        known = prompt_len + len(self.output_ids)
+        ids = self.prompt_ids[start:stop] if start < prompt_len else []
+        if stop > prompt_len:
+            ids += self.output_ids[max(start - prompt_len, 0) : stop - prompt_len]
+        if stop <= known:
+            return ids, None
+        return ids + [0] * (stop - max(start, known)), known - start
+
+
+class Scheduled(NamedTuple):
+    """``count`` tokens of ``request`` from position ``start`` (its context length);
+    ``samples``: the step samples its next token (the chunk ends its tokens)."""
+
+    request: Request
+    start: int
+    count: int
+    samples: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        *,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        prefill_slots: int,
+    ):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.prefill_slots = prefill_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request) -> None:
+        """Takes ``req`` out of the queues and frees its blocks."""
+        req.finished = True
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.release(req)
+
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
+        when too few are free."""
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need > self.allocator.num_free:
+            return False
+        if need > 0:
+            new = np.asarray(self.allocator.allocate(need), np.int32)
+            req.block_ids = np.concatenate([req.block_ids, new])
+        return True
+
+    def release(self, req: Request) -> None:
+        self.allocator.free(req.block_ids.tolist())
+        req.block_ids = np.zeros(0, np.int32)
+
+    def schedule(self) -> list[Scheduled]:
+        """The next step: every decode first, then up to ``prefill_slots`` prompt chunks
+        (running prompts before new ones), within the token budget. A running request that
+        finds no free block preempts the newest one (itself, if it is the newest) back to
+        the front of ``waiting``; a new request only takes blocks that are free. Advances
+        each scheduled request's ``num_computed`` (and ``num_pending`` where it samples)."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        running, waiting = self.running, self.waiting
+        preempted: set[Request] = set()  # (a set: `in running` would be O(n) per request)
+
+        def preempt_newest() -> Request:
+            nonlocal budget
+            victim = running.pop()
+            for i, (req, n) in enumerate(batch):
+                if req is victim:
+                    del batch[i]
+                    budget += n
+                    break
+            self.release(victim)
+            victim.num_computed = 0
+            victim.num_preemptions += 1
+            self.preemptions += 1
+            preempted.add(victim)
+            waiting.appendleft(victim)
+            return victim
+
+        def add(req: Request, n: int, *, preempt: bool) -> bool:
+            """Schedules ``n`` tokens of ``req`` if its blocks can grow to hold them."""
+            nonlocal budget
+            while not self.grow(req, req.num_computed + n):
+                if not preempt or preempt_newest() is req:
+                    return False
+            batch.append((req, n))
+            budget -= n
+            return True
+
+        def fitting(req: Request) -> int:
+            """The tokens of ``req``'s next chunk that the budget and free blocks allow."""
+            free = (len(req.block_ids) + self.allocator.num_free) * self.block_size
+            return min(req.num_tokens - req.num_computed, budget, free - req.num_computed)
+
+        for req in list(running):  # oldest first: preemption takes the newest
+            if (
+                budget
+                and req.wants_tokens
+                and req.num_tokens - req.num_computed == 1
+                and req not in preempted
+            ):
+                add(req, 1, preempt=True)
+        chunks = 0
+        for req in list(running):
+            left = req.num_tokens - req.num_computed
+            if budget and chunks < self.prefill_slots and left > 1 and req not in preempted:
+                # What the free blocks hold, or else a block's worth made free.
+                n = fitting(req)
+                n = n if n > 0 else min(left, budget, self.block_size)
+                chunks += add(req, n, preempt=True) and n > 1
+        while (
+            waiting and budget and chunks < self.prefill_slots and len(running) < self.max_num_seqs
+        ):
+            n = fitting(waiting[0])
+            if n <= 0 or not add(waiting[0], n, preempt=False):
+                break
+            running.append(waiting.popleft())
+            chunks += n > 1
+        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
+        scheduled = [
+            Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+            for req, n in batch
+        ]
+        for entry in scheduled:
+            entry.request.num_computed += entry.count
+            entry.request.num_pending += entry.samples
+        return scheduled

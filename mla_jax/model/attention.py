@@ -1,0 +1,305 @@
+"""The MLA attention module (Flax NNX) over a paged latent cache.
+
+One call runs a step of flattened tokens, packed in request order (``packing.py``: the module
+lays them out) or in the bucket layout (decodes first, then prefills; see metadata.py):
+
+    q_c = rmsnorm(x @ W_DQ);  q = q_c @ W_UQR  -> q_nope [T,N,P], q_pe [T,N,R]
+    kv = x @ W_DKV_KR;  kv_c = rmsnorm(kv[:, :Lkv]);  k_pe = kv[:, Lkv:]
+    q_pe, k_pe = rope(q_pe, k_pe);  cache[slot] = concat(kv_c, k_pe)
+
+- decodes take the absorbed, data-movement-friendly path: ``q_lat = q_nope @ W_UK^T`` per
+  head, MQA over the latent cache (keys ``[kv_c, k_pe]``, values ``kv_c``), ``o = o_lat @ W_UV``;
+- prefills take the compute-friendly path: ``k_nope, v = kv_c @ W_UK, kv_c @ W_UV`` and causal
+  MHA over the new tokens; cached context is gathered chunk by chunk into a bounded workspace,
+  up-projected the same way, attended non-causally and LSE-merged with the new-token result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax import kernels
+from mla_jax.cache.latent_cache import write_cache
+from mla_jax.cache.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from mla_jax.cache.packing import PackedMetadata
+from mla_jax.kernels.fp8 import Fp8Cache
+from mla_jax.model.checks import check_hidden, check_packed, check_step
+from mla_jax.model.config import MLAConfig
+from mla_jax.model.layers import RMSNorm, linear, matmul_precision
+from mla_jax.model.rope import apply_rope, rope_cos_sin
+
+
+class MLAAttention(nnx.Module):
+    """DeepSeek MLA with HF parameter names; kernels are Linear ``[in, out]``."""
+
+    def __init__(self, cfg: MLAConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        n, qk, dt = cfg.num_heads, cfg.qk_head_dim, param_dtype
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(cfg.hidden_size, n * qk, dt, rngs)
+        else:
+            self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dt, rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
+            self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
+        self.kv_b_proj = linear(
+            cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt, rngs
+        )
+        self.o_proj = linear(n * cfg.v_head_dim, cfg.hidden_size, dt, rngs)
+
+    @property
+    def W_UK(self) -> jax.Array:
+        """``[Lkv, N, P]``: kv_c -> k_nope, per head (the part of kv_b_proj that makes keys)."""
+        c = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
+        return w[..., : c.qk_nope_head_dim]
+
+    @property
+    def W_UV(self) -> jax.Array:
+        """``[Lkv, N, V]``: kv_c -> v, per head."""
+        c = self.cfg
+        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
+        return w[..., c.qk_nope_head_dim :]
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cache: jax.Array | Fp8Cache,
+        metadata: AttentionMetadata | PackedMetadata,
+        *,
+        layer: int | jax.Array | None = None,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
+        """One step.
+
+        Args:
+          x: ``[T, H]`` hidden states. With ``PackedMetadata`` (``packing.packed_metadata``),
+            the step's tokens packed in its requests' order, then up to its bucket of
+            padding rows; with ``AttentionMetadata``, the bucket layout it describes
+            (decodes first, ``T = metadata.num_tokens``), as the engine passes them.
+          cache: ``[num_blocks, block_size, Lkv + R]`` this layer's latent cache, or with
+            ``layer``, every layer's ``[L, num_blocks, block_size, Lkv + R]``; bfloat16 or
+            float32, the geometry ``metadata`` was built for; or an ``Fp8Cache`` of the same
+            leading axes (written quantized, read dequantized).
+          metadata: the step's metadata (device arrays).
+          layer: this layer's index into a stacked ``cache`` (may be traced, as in a scan
+            over layers); the block ids of ``metadata`` are those of one layer.
+          impl: kernels to use (``kernels.select``); the Pallas kernels need metadata
+            built with their schedules.
+
+        Returns:
+          ``[T, H]`` attention output (x's dtype, x's layout; padding rows 0) and the
+          updated cache (its shape).
+        """
+        if isinstance(metadata, PackedMetadata):
+            check_hidden(self.cfg, x)
+            check_packed(x, metadata)
+            y, cache = self(
+                metadata.to_buckets(x), cache, metadata.attention, layer=layer, impl=impl
+            )
+            return metadata.from_buckets(y, x.shape[0]), cache
+        kernel_set = kernels.select(impl)
+        check_step(self.cfg, x, cache, metadata, layer=layer, kernel_set=kernel_set)
+        c = self.cfg
+        t = x.shape[0]
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(t, c.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
+        k_pe = kv[:, c.kv_lora_rank :]
+
+        cos, sin = rope_cos_sin(c.rope, c.qk_rope_head_dim, metadata.positions)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope.interleaved)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope.interleaved)
+        cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping, layer=layer)
+        layers = LayerView(cache, layer)
+
+        num_decodes = metadata.num_decode_tokens
+        outs = []
+        if metadata.decode is not None:
+            outs.append(
+                self._decode(
+                    kernel_set, q_nope[:num_decodes], q_pe[:num_decodes], layers, metadata.decode
+                )
+            )
+        if metadata.prefill is not None:
+            q = jnp.concatenate([q_nope[num_decodes:], q_pe[num_decodes:]], axis=-1)
+            outs.append(
+                self._prefill(
+                    kernel_set,
+                    q,
+                    kv_c[num_decodes:],
+                    k_pe[num_decodes:],
+                    layers,
+                    metadata.prefill,
+                )
+            )
+        o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        return self.o_proj(o.reshape(t, c.num_heads * c.v_head_dim).astype(x.dtype)), cache
+
+    def _decode(
+        self,
+        kernel_set: kernels.KernelSet,
+        q_nope: jax.Array,
+        q_pe: jax.Array,
+        layers: LayerView,
+        metadata: DecodeMetadata,
+    ) -> jax.Array:
+        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
+        q_lat = jnp.einsum(
+            "bnp,lnp->bnl",
+            q_nope,
+            self.W_UK,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(q_nope.dtype),
+        )
+        cache = layers.blocks
+        o_lat, _ = kernel_set.mla_decode(
+            q_lat.astype(cache.dtype),
+            q_pe.astype(cache.dtype),
+            cache,
+            layers.block_ids(metadata.block_table),
+            metadata.seq_lens,
+            scale=self.cfg.softmax_scale,
+            schedule=metadata.schedule,
+        )
+        return jnp.einsum(
+            "bnl,lnv->bnv",
+            o_lat,
+            self.W_UV.astype(o_lat.dtype),
+            precision=matmul_precision(o_lat.dtype),
+        )
+
+    def _up_project(self, kv_c: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``kv_c [T, Lkv]``, ``k_pe [T, R]`` -> keys ``[T, N, P + R]``, values ``[T, N, V]``."""
+        dt = kv_c.dtype
+        precision = matmul_precision(dt)
+        k_nope = jnp.einsum("tl,lnp->tnp", kv_c, self.W_UK.astype(dt), precision=precision)
+        v = jnp.einsum("tl,lnv->tnv", kv_c, self.W_UV.astype(dt), precision=precision)
+        k_pe = jnp.broadcast_to(k_pe[:, None, :], (*k_nope.shape[:2], k_pe.shape[-1]))
+        return jnp.concatenate([k_nope, k_pe.astype(dt)], axis=-1), v
+
+    def _prefill(
+        self,
+        kernel_set: kernels.KernelSet,
+        q: jax.Array,
+        kv_c: jax.Array,
+        k_pe: jax.Array,
+        layers: LayerView,
+        metadata: PrefillMetadata,
+    ) -> jax.Array:
+        """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
+        k, v = self._up_project(kv_c, k_pe)
+        out, lse = kernel_set.flash_prefill(
+            q,
+            k,
+            v,
+            metadata.query_start_loc,
+            metadata.query_start_loc,
+            scale=self.cfg.softmax_scale,
+            causal=True,
+            schedule=metadata.schedule,
+        )
+        if metadata.chunks is None:
+            return out
+        context_out, context_lse = self._context(kernel_set, q, layers, metadata)
+        out, _ = kernel_set.merge_attn_states(context_out, context_lse, out, lse)
+        return out.astype(q.dtype)
+
+    def _context(
+        self,
+        kernel_set: kernels.KernelSet,
+        q: jax.Array,
+        layers: LayerView,
+        metadata: PrefillMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Attention of the prefill queries over their cached context, one workspace-sized
+        chunk at a time (a scan, so peak memory is one chunk's keys and values). The
+        running result is float32, so that many chunks add no bf16 rounding."""
+        chunks = metadata.chunks
+        lkv = self.cfg.kv_lora_rank
+        block_table = layers.block_ids(metadata.block_table)
+
+        def attend(carry, cu_seq_lens, starts, total):
+            workspace = _gather_workspace(
+                layers.blocks,
+                block_table,
+                cu_seq_lens,
+                starts,
+                total,
+                chunks.workspace_size,
+            ).astype(q.dtype)
+            k, v = self._up_project(workspace[:, :lkv], workspace[:, lkv:])
+            out, lse = kernel_set.flash_prefill(
+                q,
+                k,
+                v,
+                metadata.query_start_loc,
+                cu_seq_lens,
+                scale=self.cfg.softmax_scale,
+                causal=False,
+                schedule=metadata.schedule,
+            )
+            return kernel_set.merge_attn_states(*carry, out, lse)
+
+        def chunk(carry, plan):
+            # The chunk count is fixed by the buckets: a chunk past the context is skipped.
+            total = plan[2]
+            carry = jax.lax.cond(total > 0, attend, lambda carry, *_: carry, carry, *plan)
+            return carry, None
+
+        tq, n = q.shape[:2]
+        init = (
+            jnp.zeros((tq, n, self.cfg.v_head_dim), jnp.float32),
+            jnp.full((tq, n), -jnp.inf, jnp.float32),
+        )
+        (out, lse), _ = jax.lax.scan(
+            chunk, init, (chunks.cu_seq_lens, chunks.starts, chunks.totals)
+        )
+        return out, lse
+
+
+class LayerView:
+    """One layer of a cache as the kernels take it: ``blocks``, every layer's blocks as one
+    ``[L * num_blocks, block_size, Lkv + R]`` array (a free reshape, where slicing a layer
+    out would copy it; each of an ``Fp8Cache``'s three arrays alike), and ``block_ids`` maps
+    the layer's block ids into it."""
+
+    def __init__(self, cache: jax.Array | Fp8Cache, layer: int | jax.Array | None):
+        if layer is None:
+            self.blocks, self.first_block = cache, 0
+        else:
+            num_layers, num_blocks = cache.shape[:2]
+            self.blocks = jax.tree.map(
+                lambda part: part.reshape(num_layers * num_blocks, *part.shape[2:]), cache
+            )
+            self.first_block = layer * num_blocks
+
+    def block_ids(self, block_table: jax.Array) -> jax.Array:
+        """``block_table [B, W]`` int32 of one layer -> ids into ``blocks``. Entries a
+        request does not need may hold anything; they are never read."""
+        return block_table + self.first_block
+
+
+def _gather_workspace(
+    cache: jax.Array,
+    block_table: jax.Array,
+    cu_seq_lens: jax.Array,
+    starts: jax.Array,
+    total: jax.Array,
+    workspace_size: int,
+) -> jax.Array:
+    """``[workspace_size, Lkv + R]``: the chunk's context rows, prefill ``r``'s positions
+    ``[starts[r], ...)`` at workspace rows ``[cu_seq_lens[r], cu_seq_lens[r + 1])``; rows
+    past ``total`` are zero and read no cache row."""
+    i = jnp.arange(workspace_size)
+    request = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
+    position = starts[request] + i - cu_seq_lens[request]
+    return kernels.reference.gather_rows(cache, block_table, request, position, i < total)

@@ -1,0 +1,125 @@
+"""A DeepSeek decoder for generation, parameters named as in HF checkpoints.
+
+Each run of consecutive layers of one kind (dense MLP or mixture-of-experts, see
+``ModelConfig.layer_runs``) is one ``DecoderLayer`` whose parameters carry a leading layer
+axis, run by a ``lax.scan``: XLA compiles each kind of layer once, so a 61-layer model
+compiles about as fast as a 2-layer one. The latent cache is stacked the same way,
+``[L, num_blocks, block_size, Lkv + R]``, and carried through the scans whole (each layer
+writes and reads its own slice in place; slicing it out would copy it). An FP8 cache
+(``kernels.fp8.Fp8Cache``) is three such arrays, carried the same way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax.cache.metadata import AttentionMetadata
+from mla_jax.kernels.fp8 import Fp8Cache
+from mla_jax.model.attention import MLAAttention
+from mla_jax.model.config import ModelConfig
+from mla_jax.model.layers import MLP, RMSNorm, linear, matmul_precision
+from mla_jax.model.moe import MoE
+
+# The routed experts' parameters (``mlp.experts.*``; not ``mlp.shared_experts``).
+_ROUTED_EXPERTS = nnx.PathContains("experts")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, param_dtype, rngs: nnx.Rngs):
+        eps = cfg.mla.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
+        self.self_attn = MLAAttention(cfg.mla, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
+        if moe:
+            self.mlp = MoE(cfg.moe, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(
+                cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
+            )
+
+    def __call__(self, x, cache, md: AttentionMetadata, *, layer, layer_in_run, impl: str):
+        """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
+        in its run (its routed experts, which the scan passes for the whole run)."""
+        h, cache = self.self_attn(self.input_layernorm(x), cache, md, layer=layer, impl=impl)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        moe = isinstance(self.mlp, MoE)
+        h = self.mlp(h, impl=impl, layer=layer_in_run) if moe else self.mlp(h)
+        return x + h, cache
+
+
+def stacked_layers(
+    cfg: ModelConfig, num_layers: int, *, moe: bool, param_dtype, rngs: nnx.Rngs
+) -> DecoderLayer:
+    """``num_layers`` independently initialised ``DecoderLayer``s as one module whose
+    parameters have a leading ``[num_layers]`` axis."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, moe=moe, param_dtype=param_dtype, rngs=rngs)
+
+    return make(rngs)
+
+
+class DeepseekModel(nnx.Module):
+    """Embeddings, decoder layers, final norm and lm_head (HF's DeepseekV2/V3ForCausalLM)."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h = cfg.mla.hidden_size
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
+        # One stacked module per run of layers (``cfg.layer_runs()``), in order.
+        self.layers = nnx.List(
+            [
+                stacked_layers(cfg, count, moe=moe, param_dtype=param_dtype, rngs=rngs)
+                for _, count, moe in cfg.layer_runs()
+            ]
+        )
+        self.norm = RMSNorm(h, cfg.mla.rms_norm_eps, param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(h, cfg.vocab_size, param_dtype, rngs)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        cache: jax.Array | Fp8Cache,
+        md: AttentionMetadata,
+        *,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
+        """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
+        Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
+        ``md.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
+        if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
+            raise ValueError(
+                f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
+                "block_size, width]"
+            )
+        md = jax.tree.map(jnp.asarray, md)  # NumPy arrays cannot be indexed by the scan's tracers
+        x = self.embed_tokens(input_ids)
+        for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
+            # The routed experts stay whole (indexed in place by the grouped matmul); the
+            # scan slices the rest layer by layer.
+            graphdef, experts, state = nnx.split(layers, _ROUTED_EXPERTS, ...)
+
+            def layer_step(carry, scanned, graphdef=graphdef, experts=experts, first=first):
+                x, cache = carry
+                layer_in_run, layer_state = scanned
+                x, cache = nnx.merge(graphdef, experts, layer_state)(
+                    x, cache, md, layer=first + layer_in_run, layer_in_run=layer_in_run, impl=impl
+                )
+                return (x, cache), None
+
+            (x, cache), _ = jax.lax.scan(
+                layer_step, (x, cache), (jnp.arange(count, dtype=jnp.int32), state)
+            )
+        x = self.norm(x[md.logits_indices])
+        if self.cfg.tie_word_embeddings:
+            embedding = self.embed_tokens.embedding[...]
+            logits = jnp.dot(x, embedding.T, precision=matmul_precision(embedding.dtype))
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), cache

@@ -1,0 +1,256 @@
+"""DeepSeek mixture-of-experts layer: router, routed experts over a grouped matmul, shared
+experts. Computes what transformers 5.23's ``DeepseekV2Moe`` / ``DeepseekV3MoE`` compute.
+
+Parameters (nnx paths under the layer's ``mlp``) and the HF tensors they hold. ``kernel``
+parameters follow the loader's rule: ``X.kernel`` is HF's ``X.weight`` transposed.
+
+=================================  ==========================  =================================
+parameter                          shape (dtype)               HF tensor(s) under ``mlp.``
+=================================  ==========================  =================================
+``gate.kernel``                    ``[H, E]``                  ``gate.weight [E, H]``, transposed
+``gate.e_score_correction_bias``   ``[E]`` (float32; v3 only)  ``gate.e_score_correction_bias``
+``experts.gate_up_proj``           ``[E, H, 2I]``              ``experts.{e}.gate_proj.weight
+                                                               [I, H]`` transposed into
+                                                               ``[e, :, :I]``, ``experts.{e}.
+                                                               up_proj.weight`` into ``[e, :, I:]``
+``experts.down_proj``              ``[E, I, H]``               ``experts.{e}.down_proj.weight
+                                                               [H, I]`` transposed into ``[e]``
+``shared_experts.{gate,up}_proj``  ``kernel [H, S]``           ``shared_experts.{gate,up}_proj.
+                                                               weight [S, H]``, transposed
+``shared_experts.down_proj``       ``kernel [S, H]``           ``shared_experts.down_proj.weight
+                                                               [H, S]``, transposed
+=================================  ==========================  =================================
+
+E = n_routed_experts, H = hidden_size, I = moe_intermediate_size, S = I x n_shared_experts.
+The per-expert names are what DeepSeek publishes and what transformers 5.23's
+``save_pretrained`` writes (its conversion mapping splits the fused tensors back on saving).
+In memory transformers fuses them as ``experts.gate_up_proj [E, 2I, H]`` (gate rows first)
+and ``experts.down_proj [E, H, I]``; a checkpoint holding those is read too (transposed on
+the last two axes). ``hf_expert_slice`` says where each HF expert tensor goes and
+``hf_expert_names`` lists the ones a layer needs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax import kernels
+from mla_jax.model.config import MoEConfig
+from mla_jax.model.layers import MLP
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def route(
+    x: jax.Array,
+    gate_kernel: jax.Array,
+    e_score_correction_bias: jax.Array | None,
+    cfg: MoEConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """The experts each token goes to and their weights, as transformers 5.23's
+    ``DeepseekV2TopkRouter`` / ``DeepseekV3TopkRouter`` compute them (in float32).
+
+    Args:
+      x: ``[T, H]`` hidden states (any float dtype).
+      gate_kernel: ``[H, E]`` router weights (HF's ``gate.weight`` transposed).
+      e_score_correction_bias: ``[E]`` added to the sigmoid scores to choose the experts
+        (and their groups) but not to weight them; required for sigmoid scores, None for
+        softmax scores.
+      cfg: the MoE config.
+
+    Returns:
+      ``expert_ids [T, k]`` int32 and ``weights [T, k]`` float32, k = num_experts_per_tok,
+      in no particular order within a token.
+    """
+    if (e_score_correction_bias is None) != (cfg.scoring_func == "softmax"):
+        raise ValueError(
+            f"{cfg.scoring_func} scores need e_score_correction_bias exactly when they are "
+            "sigmoid scores"
+        )
+    logits = jnp.dot(x.astype(jnp.float32), gate_kernel.astype(jnp.float32), precision=_HIGHEST)
+    t, num_experts = logits.shape
+    per_group = num_experts // cfg.n_group
+    if cfg.scoring_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        choice = scores
+        # v2 masks the experts of dropped groups to 0: softmax scores of kept ones are > 0.
+        dropped = 0.0
+        if cfg.grouped:
+            group_scores = choice.reshape(t, cfg.n_group, per_group).max(axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + e_score_correction_bias.astype(jnp.float32)
+        dropped = -jnp.inf
+        best_two = jax.lax.top_k(choice.reshape(t, cfg.n_group, per_group), 2)[0]
+        group_scores = best_two.sum(axis=-1)
+    if cfg.grouped:
+        kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        kept = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], kept_groups].set(True)
+        choice = jnp.where(jnp.repeat(kept, per_group, axis=1), choice, dropped)
+    expert_ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
+    weights = jnp.take_along_axis(scores, expert_ids, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return expert_ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def routed_experts(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    gate_up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    grouped_matmul: Callable = kernels.reference.grouped_matmul,
+) -> jax.Array:
+    """Sum over each token's chosen experts of ``weight x down(silu(gate(x)) * up(x))``.
+
+    The ``T x k`` (token, expert) pairs are sorted by expert, so that each expert's tokens
+    are one group of rows for ``grouped_matmul`` (``kernels.select(impl).grouped_matmul``);
+    experts no token chose have no rows, and their weights are not read.
+
+    Args:
+      x: ``[T, H]``; expert_ids: ``[T, k]`` int32; weights: ``[T, k]`` float32.
+      gate_up_proj: ``[E, H, 2I]`` (gate columns first); down_proj: ``[E, I, H]``; both in
+        the dtype the matmuls run in (x is cast to it). With ``layer``, every layer's:
+        ``[L, E, H, 2I]`` and ``[L, E, I, H]``.
+      layer: which of the stacked layers' experts to use (may be traced). The grouped matmul
+        reads them in place: slicing a layer's experts out under a scan copies them, which
+        at DeepSeek-V2-Lite's size took 20 ms a decode step (H200).
+
+    Returns:
+      ``[T, H]`` float32.
+    """
+    t, k = expert_ids.shape
+    num_experts, inter = down_proj.shape[-3:-1]
+    group_offset = 0
+    if layer is not None:  # every layer's experts as one [L * E, ...] stack (a free reshape)
+        group_offset = layer * num_experts
+        gate_up_proj = gate_up_proj.reshape(-1, *gate_up_proj.shape[2:])
+        down_proj = down_proj.reshape(-1, *down_proj.shape[2:])
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    rows = x.astype(gate_up_proj.dtype)[order // k]
+    gate_up = grouped_matmul(rows, gate_up_proj, group_sizes, group_offset=group_offset)
+    gate_up = gate_up.astype(jnp.float32)
+    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    out = grouped_matmul(
+        hidden.astype(down_proj.dtype), down_proj, group_sizes, group_offset=group_offset
+    )
+    # Back to (token, expert) order by a gather (a scatter-add would serialise on tokens).
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    out = out[position].reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", out, weights, precision=_HIGHEST)
+
+
+class Router(nnx.Module):
+    """``kernel [H, E]`` in the model's dtype (scores are computed in float32) and, for
+    sigmoid scores, ``e_score_correction_bias [E]`` float32 (HF keeps it in float32)."""
+
+    def __init__(self, cfg: MoEConfig, *, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        shape = (cfg.hidden_size, cfg.n_routed_experts)
+        self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype))
+        if cfg.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nnx.Param(
+                jnp.zeros((cfg.n_routed_experts,), jnp.float32)
+            )
+
+
+class Experts(nnx.Module):
+    """The routed experts' SwiGLU weights, stacked over experts: ``gate_up_proj [E, H, 2I]``
+    (gate then up columns, so one grouped matmul computes both) and ``down_proj [E, I, H]``."""
+
+    def __init__(self, cfg: MoEConfig, *, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
+
+
+class MoE(nnx.Module):
+    """A DeepSeek MoE layer: ``routed(x) + shared_experts(x)``, ``[T, H] -> [T, H]``."""
+
+    def __init__(self, cfg: MoEConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Router(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.shared_experts = MLP(
+            cfg.hidden_size, cfg.shared_intermediate_size, param_dtype=param_dtype, rngs=rngs
+        )
+
+    def __call__(
+        self, x: jax.Array, *, impl: str = "auto", layer: int | jax.Array | None = None
+    ) -> jax.Array:
+        """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
+        (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
+        holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
+        router and shared experts are this layer's own), which of them to use."""
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        expert_ids, weights = route(
+            x, self.gate.kernel[...], None if bias is None else bias[...], self.cfg
+        )
+        routed = routed_experts(
+            x,
+            expert_ids,
+            weights,
+            self.experts.gate_up_proj[...],
+            self.experts.down_proj[...],
+            layer=layer,
+            grouped_matmul=kernels.select(impl).grouped_matmul,
+        )
+        shared = self.shared_experts(x.astype(self.experts.down_proj.dtype))
+        return (routed + shared.astype(jnp.float32)).astype(x.dtype)
+
+
+class ExpertSlice(NamedTuple):
+    """Where an HF expert tensor goes: ``param[index] = tensor.transpose(axes)``."""
+
+    param: str  # "gate_up_proj" or "down_proj" (under the layer's mlp.experts)
+    index: tuple  # ints and slices into the stacked parameter
+    axes: tuple[int, ...]  # the transpose taking the HF layout to the parameter's
+    hf_shape: tuple[int, ...]  # the shape the HF tensor must have
+
+
+_PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)$")
+
+
+def hf_expert_slice(name: str, cfg: MoEConfig) -> ExpertSlice | None:
+    """For an HF tensor name (``model.layers.3.mlp.experts.5.up_proj.weight``, or
+    transformers' fused ``model.layers.3.mlp.experts.gate_up_proj``), where it goes in the
+    layer's ``experts`` parameters; None for a name that is no routed-expert tensor. Raises
+    ValueError for an expert index out of range."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    if match := _PER_EXPERT.search(name):
+        e, proj = int(match.group(1)), match.group(2)
+        if e >= cfg.n_routed_experts:
+            raise ValueError(f"{name}: expert {e} is out of range ({cfg.n_routed_experts} experts)")
+        if proj == "down":
+            return ExpertSlice("down_proj", (e,), (1, 0), (h, i))
+        columns = slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        return ExpertSlice("gate_up_proj", (e, slice(None), columns), (1, 0), (i, h))
+    if match := _FUSED.search(name):
+        e = cfg.n_routed_experts
+        if match.group(1) == "down_proj":
+            return ExpertSlice("down_proj", (), (0, 2, 1), (e, h, i))
+        return ExpertSlice("gate_up_proj", (), (0, 2, 1), (e, 2 * i, h))
+    return None
+
+
+def hf_expert_names(prefix: str, cfg: MoEConfig) -> list[str]:
+    """The per-expert HF tensor names of one layer, ``prefix`` being its MLP
+    (``model.layers.3.mlp``), in the order DeepSeek's checkpoints list them."""
+    return [
+        f"{prefix}.experts.{e}.{proj}_proj.weight"
+        for e in range(cfg.n_routed_experts)
+        for proj in ("gate", "up", "down")
+    ]

@@ -1,0 +1,272 @@
+"""Tensor and data parallelism across the local devices, on ``jax.sharding``.
+
+Tensor parallelism: a one-axis ``Mesh`` (axis ``"tp"``) over N devices; every parameter gets
+a ``NamedSharding`` from its path (``partition_spec``) and XLA's SPMD partitioner derives the
+rest of the step:
+
+- attention heads split across ranks: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by output
+  columns (whole heads, so ``W_UK`` / ``W_UV`` are split by heads), ``o_proj`` by input rows,
+  whose partial products XLA sums across ranks (an all-reduce of ``[T, H]`` per layer);
+- the down projections to the latents (``q_a_proj``, ``kv_a_proj_with_mqa``), the norms and
+  the latent cache are replicated: with one latent KV head every rank attends over every
+  latent row (the cost of TP for MLA: the cache is not divided, each rank holds all of it);
+- the dense MLP and the MoE layers' shared experts split column (gate, up) / row (down), a
+  second all-reduce per layer;
+- the embedding table and ``lm_head`` split by vocabulary rows / columns;
+- the routed experts split by expert (expert parallelism over the same ranks): every rank
+  routes every token (the router is replicated) and runs the rows of its own experts; the
+  ranks' outputs, each zero outside its rows, are summed after each expert matmul.
+
+The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps each in a
+``shard_map``: the decode, prefill and merge kernels run on each rank over its heads (the
+cache, block tables and schedules replicated), the grouped matmul on each rank over its
+experts. Nothing here writes a collective: the only ones are those XLA inserts for the
+shardings above (all-reduces of partial sums, and the gathers of each rank's best logit).
+
+Data parallelism (attention): a ``("dp", "tp")`` mesh of M x N devices. Each DP rank runs
+its own requests over its own part of the cache (the cache split on its block axis, block
+ids local to the rank); the parameters are split on ``"tp"`` as above and replicated over
+``"dp"``. The runner runs the whole step under a ``shard_map`` manual over ``"dp"`` only
+(``"tp"`` left to the partitioner), so the kernels' ``shard_map`` over ``"tp"`` nests in it
+(``_heads_mesh``). Each rank runs the MLP / MoE on its own tokens with the weights it holds:
+no collective crosses ``"dp"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mla_jax import kernels
+from mla_jax.model.config import ModelConfig
+
+AXIS = "tp"
+DATA_AXIS = "dp"
+
+# Parameter path suffix -> how its own (trailing) axes split; stacked layers' leading layer
+# axis is never split. Paths not listed are replicated.
+_COLUMNS = (None, AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
+_ROWS = (AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
+    (("self_attn", "q_proj", "kernel"), _COLUMNS),
+    (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
+    (("self_attn", "kv_b_proj", "kernel"), _COLUMNS),
+    (("self_attn", "o_proj", "kernel"), _ROWS),
+    (("gate_proj", "kernel"), _COLUMNS),  # the dense MLP and the shared experts
+    (("up_proj", "kernel"), _COLUMNS),
+    (("down_proj", "kernel"), _ROWS),
+    (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
+    (("lm_head", "kernel"), _COLUMNS),
+    (("experts", "gate_up_proj"), (AXIS, None, None)),  # [E, H, 2I]: by expert
+    (("experts", "down_proj"), (AXIS, None, None)),  # [E, I, H]
+)
+
+
+def make_mesh(
+    tensor_parallel: int, data_parallel: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ``("tp",)`` mesh over the first ``tensor_parallel`` devices (default: all local
+    devices of the default backend), or with ``data_parallel > 1`` a ``("dp", "tp")`` mesh
+    over the first ``data_parallel * tensor_parallel`` (a DP rank's TP ranks adjacent)."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    if data_parallel == 1:
+        if not 1 <= tensor_parallel <= len(devices):
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} needs that many devices; "
+                f"{len(devices)} are available ({devices[0].platform})"
+            )
+        return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+    needed = data_parallel * tensor_parallel
+    if not 1 <= needed <= len(devices):
+        raise ValueError(
+            f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {needed} "
+            f"devices; {len(devices)} are available ({devices[0].platform})"
+        )
+    grid = np.array(devices[:needed]).reshape(data_parallel, tensor_parallel)
+    return Mesh(grid, (DATA_AXIS, AXIS))
+
+
+def data_parallel(mesh: Mesh | None) -> int:
+    """The number of DP ranks of ``mesh`` (1 without a ``"dp"`` axis)."""
+    return 1 if mesh is None else mesh.shape.get(DATA_AXIS, 1)
+
+
+def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
+    """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
+    heads, the MLP widths, the vocabulary and the routed experts that it splits."""
+    sizes = {
+        "num_attention_heads": cfg.mla.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    if cfg.moe is not None:
+        sizes["shared experts' intermediate size"] = cfg.moe.shared_intermediate_size
+        sizes["n_routed_experts"] = cfg.moe.n_routed_experts
+    for name, size in sizes.items():
+        if size % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not divide the model's {name} ({size})"
+            )
+
+
+def partition_spec(path: Sequence[str], ndim: int) -> P:
+    """The ``PartitionSpec`` of the parameter at ``path`` (nnx state keys, e.g. ``("layers",
+    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes."""
+    path = tuple(path)
+    for suffix, spec in _RULES:
+        if path[-len(suffix) :] == suffix:
+            return P(*(None,) * (ndim - len(spec)), *spec)
+    return P()
+
+
+def param_paths(state) -> list[tuple[str, ...]]:
+    """The path of each leaf of an nnx ``state`` as strings (``("layers", "0", "self_attn",
+    "o_proj", "kernel")``), in ``jax.tree.flatten`` order."""
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+        if keys[-1] == "value":  # nnx.Variable's own leaf
+            keys.pop()
+        paths.append(tuple(keys))
+    return paths
+
+
+def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+    """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
+    order."""
+    return [
+        NamedSharding(mesh, partition_spec(path, leaf.ndim))
+        for path, leaf in zip(param_paths(state), jax.tree.leaves(state), strict=True)
+    ]
+
+
+def placement(mesh: Mesh):
+    """``weights.load_model``'s ``placement``: an nnx parameter path and its number of axes
+    -> its ``NamedSharding`` on ``mesh``, so that each device receives only its shards."""
+
+    def place(path: Sequence, ndim: int) -> NamedSharding:
+        return NamedSharding(mesh, partition_spec([str(key) for key in path], ndim))
+
+    return place
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def by_rank(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Split on ``axis`` across the DP ranks (each rank's part of the cache, of a step's
+    packed buffers, of its sampled tokens), replicated over ``"tp"``."""
+    return NamedSharding(mesh, P(*(None,) * axis, DATA_AXIS))
+
+
+def over_ranks(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Per-rank data (the cache on its block ``axis``, a step's packed buffers, the sampled
+    tokens): split over the DP ranks where there are several, else replicated."""
+    return by_rank(mesh, axis) if data_parallel(mesh) > 1 else replicated(mesh)
+
+
+def _heads_mesh(mesh: Mesh):
+    """The mesh a kernel's ``shard_map`` over ``"tp"`` names: inside the runner's
+    ``shard_map`` over ``"dp"``, the context's (``"dp"`` already manual), else ``mesh``."""
+    context = jax.sharding.get_abstract_mesh()
+    return mesh if context.empty else context
+
+
+def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: int):
+    """``function`` under ``shard_map``: its first ``head_args`` arguments (``[T, N, ...]``)
+    split by heads (axis 1), the rest of its ``num_args`` replicated; each output split by
+    heads."""
+    heads = P(None, AXIS)
+
+    def by_heads(*args):
+        return jax.shard_map(
+            function,
+            mesh=_heads_mesh(mesh),
+            in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
+            out_specs=(heads,) * num_outputs,
+            axis_names={AXIS},
+            check_vma=False,  # Pallas calls carry no replication information
+        )(*args)
+
+    return by_heads
+
+
+def _by_experts(grouped_matmul, mesh: Mesh):
+    """``grouped_matmul(lhs [M, K], rhs [L * E, K, N], group_sizes [E], group_offset=l * E)``
+    (layer l's experts of a stack of L layers' ``[L, E, K, N]``, reshaped by
+    ``moe.routed_experts``) with the experts split over the mesh; ``lhs``, ``group_sizes``
+    and the result replicated.
+
+    Rank r holds experts ``[r E/n, (r + 1) E/n)`` of every layer, whose rows (lhs is sorted
+    by expert) are one range of lhs: it rolls that range to the top, multiplies it by its
+    experts (the rows after them are padding, which the kernel sets to 0 without reading any
+    weight), rolls the result back; the ranks' results, each zero outside its own rows, are
+    summed."""
+
+    def local(lhs, stacked, group_sizes, layer):
+        num_local = stacked.shape[1]
+        first = jax.lax.axis_index(AXIS) * num_local
+        expert = jnp.arange(group_sizes.shape[0])
+        start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
+        sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
+        out = grouped_matmul(
+            jnp.roll(lhs, -start, axis=0),
+            stacked.reshape(-1, *stacked.shape[2:]),  # this rank's [L * E/n, K, N]
+            sizes,
+            group_offset=layer * num_local,
+        )
+        return jnp.roll(out, start, axis=0)[None]
+
+    def by_experts(lhs, rhs, group_sizes, *, group_offset=0):
+        num_experts = group_sizes.shape[0]
+        # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
+        stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
+        layer = jnp.asarray(group_offset, jnp.int32) // num_experts
+        run = jax.shard_map(
+            local,
+            mesh=_heads_mesh(mesh),
+            in_specs=(P(), P(None, AXIS), P(), P()),
+            out_specs=P(AXIS),
+            axis_names={AXIS},
+            check_vma=False,
+        )
+        return run(lhs, stacked, group_sizes, layer).sum(axis=0)
+
+    return by_experts
+
+
+def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.KernelSet:
+    """``kernel_set`` with each kernel run under ``shard_map`` on ``mesh``: attention
+    kernels per rank on its heads, the grouped matmul per rank on its experts. Same
+    signatures."""
+
+    def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None):
+        def local(q_lat, q_pe, cache, block_table, seq_lens, schedule):
+            return kernel_set.mla_decode(
+                q_lat, q_pe, cache, block_table, seq_lens, scale=scale, schedule=schedule
+            )
+
+        run = _by_heads(local, mesh, head_args=2, num_args=6, num_outputs=2)
+        return run(q_lat, q_pe, cache, block_table, seq_lens, schedule)
+
+    def flash_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, schedule=None):
+        def local(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule):
+            return kernel_set.flash_prefill(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, schedule=schedule
+            )
+
+        run = _by_heads(local, mesh, head_args=3, num_args=6, num_outputs=2)
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule)
+
+    merge_attn_states = _by_heads(
+        kernel_set.merge_attn_states, mesh, head_args=4, num_args=4, num_outputs=2
+    )
+
+    grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
+    return kernels.KernelSet(mla_decode, flash_prefill, merge_attn_states, grouped_matmul)

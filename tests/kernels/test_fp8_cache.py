@@ -1,0 +1,341 @@
+"""The FP8 latent cache: quantization, the decode kernels over it, writes and dtype checks.
+
+The decode kernels (Pallas, interpreted on CPU, and the pure-jnp reference) are compared with
+float64 NumPy attention over the *dequantized* cache, so what is measured is the kernels' own
+arithmetic, not the quantization: bf16 queries and probabilities, float32 accumulation. As in
+test_decode_kernel.py, every cache row a request does not own is NaN (in all three parts of
+the layout: kv_c, k_pe and scales) and table entries past a request's need are -1 or an id
+far outside the cache.
+
+Tolerances, from errors measured against float64 (8 seeds x page 1, 16, 64 x both Pallas
+variants and the reference, CPU, 2026-11-22) with a margin of about 2x: out 3.5e-3 relative
+L2 (measured <= 1.7e-3, as for a bf16 cache: the scales are powers of two, so applying them
+to scores and probabilities rounds nothing), lse 8e-6 absolute (measured <= 3.3e-6) or 1e-6
+relative, whichever is larger (at DeepSeek scale, compiled on an H200, an lse of 19 was off
+by 8.05e-6, 4.2e-7 relative: a float32 ulp there is 1.9e-6). The
+float16 conversion (``DecodeConfig.fp8_compute``) is held to the same: it measured the same
+errors (<= 1.6e-3 and 2.2e-6, 6 seeds, page 16), which the bf16 output's rounding dominates.
+
+Round trip: every element within e4m3's bound (see kernels/fp8.py),
+``|x - dequantize(quantize(x))| <= 2^-4 |x| + 2^-10 scale``, and the bound is nearly reached
+(the largest error over 2^-4 |x| is above 0.9), so a coarser rounding would fail.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_decode_kernel as bf16_tests
+from conftest import rel_err
+
+from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_cache
+from mla_jax.checkpoint.loader import load_model
+from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.engine.engine import Engine, EngineConfig, Request
+from mla_jax.kernels import decode, fp8, reference
+from mla_jax.model.attention import LayerView
+
+OUT_TOL, LSE_TOL, LSE_RTOL = 3.5e-3, 8e-6, 1e-6
+
+
+def _latents(rng, shape, spread: int = 6) -> np.ndarray:
+    """Normal values whose magnitude varies by up to 2^±spread between tokens and groups, so
+    that the scales differ (a single scale would pass any per-group test)."""
+    *lead, lkv = shape
+    groups = fp8.num_groups(lkv)
+    spread = 2.0 ** rng.integers(-spread, spread + 1, (*lead, groups))
+    return rng.standard_normal(shape) * np.repeat(spread, fp8.GROUP, axis=-1)[..., :lkv]
+
+
+def _dequantized(values: jnp.ndarray, scales: jnp.ndarray) -> np.ndarray:
+    """float64 ``values x scale`` from the fp8 values and float32 scales (independent of
+    ``fp8.dequantize``)."""
+    lkv = values.shape[-1]
+    full = np.repeat(np.asarray(scales, np.float64), fp8.GROUP, axis=-1)[..., :lkv]
+    return np.asarray(values.astype(jnp.float32), np.float64) * full
+
+
+@pytest.mark.parametrize("lkv", [512, 200, 32])
+def test_quantize_round_trip_within_e4m3_bound(rng, lkv):
+    x = _latents(rng, (96, lkv)).astype(np.float32)
+    x[3] = 0.0  # an all-zero token
+    x[5, :7] = [1e-30, -1e-30, 448.0, 1e30, 0.0, -3.0, 2.0**-20]
+    values, scales = fp8.quantize(jnp.asarray(x))
+    assert values.dtype == fp8.FP8 and scales.dtype == jnp.float32
+    s = np.asarray(scales, np.float64)
+    assert s.shape == (96, fp8.num_groups(lkv)) and (s > 0).all()
+    assert (np.log2(s) == np.round(np.log2(s))).all()  # powers of two
+    full = np.repeat(s, fp8.GROUP, axis=-1)[:, :lkv]
+    ratio = np.abs(x) / full
+    amax = np.pad(ratio, [(0, 0), (0, s.shape[1] * fp8.GROUP - lkv)]).reshape(96, -1, 128).max(-1)
+    nonzero = amax > 0
+    assert (amax[nonzero] >= 224).all() and (amax < fp8.E4M3_MAX).all()  # no saturation
+    err = np.abs(_dequantized(values, scales) - x)
+    bound = 2.0**-4 * np.abs(x) + 2.0**-10 * full
+    assert (err <= bound).all()
+    normal = ratio >= 2.0**-6
+    assert (err[normal] / np.abs(x[normal])).max() > 0.9 * 2.0**-4
+    # fp8.dequantize is exact in bf16 (power-of-two scales): the same numbers.
+    k_pe = jnp.zeros((96, 4), jnp.bfloat16)
+    got = np.asarray(fp8.dequantize(values, k_pe, scales).astype(jnp.float32))
+    np.testing.assert_array_equal(got[:, :lkv], _dequantized(values, scales))
+
+
+def _fp8_case(rng, lens, *, n=16, lkv=192, r=16, block_size=16):
+    """``_case`` of test_decode_kernel with the cache quantized: an ``Fp8Cache`` whose
+    unowned rows are NaN in every part, and its float64 dequantized twin."""
+    q_lat, q_pe, cache, table, lens = bf16_tests._case(
+        rng, lens, n=n, lkv=lkv, r=r, block_size=block_size, dtype=jnp.bfloat16
+    )
+    poisoned = np.isnan(cache[..., 0])
+    # Magnitudes within 2^±2: scales differ, and scores stay in the range where softmax is
+    # not one-hot (which would leave the values' path untested).
+    latents = _latents(rng, cache[..., :lkv].shape, spread=2)
+    values, scales = fp8.quantize(jnp.asarray(latents))
+    k_pe = jnp.asarray(cache[..., lkv:], jnp.bfloat16)
+    dequantized = np.concatenate(
+        [_dequantized(values, scales), np.asarray(k_pe.astype(jnp.float32), np.float64)], -1
+    )
+    dequantized[poisoned] = np.nan
+    nan = jnp.asarray(poisoned)[..., None]
+    fp8_cache = fp8.Fp8Cache(
+        jnp.where(nan, jnp.asarray(np.nan, fp8.FP8), values),
+        k_pe,  # NaN already where unowned
+        jnp.where(nan, np.nan, scales),
+    )
+    return (q_lat, q_pe, fp8_cache, table, lens), dequantized
+
+
+def _run(args, *, impl, **kwargs):
+    q_lat, q_pe, cache, table, lens = args
+    fn = decode.mla_decode if impl == "pallas" else reference.mla_decode
+    if impl != "pallas":
+        kwargs.pop("config", None)
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    return fn(bf16(q_lat), bf16(q_pe), cache, jnp.asarray(table), jnp.asarray(lens), **kwargs)
+
+
+def _check(got, args, dequantized, scale):
+    q_lat, q_pe, _, table, lens = args
+    want = bf16_tests._expected(q_lat, q_pe, dequantized, table, lens, scale)
+    out, lse = (np.asarray(jnp.asarray(a, jnp.float32)) for a in got)
+    live = lens > 0
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert rel_err(out[live], want[0][live]) < OUT_TOL
+    np.testing.assert_allclose(lse[live], want[1][live], rtol=LSE_RTOL, atol=LSE_TOL)
+    assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
+
+
+@pytest.mark.parametrize(
+    "impl,variant",
+    [
+        *bf16_tests.VARIANTS,
+        pytest.param("pallas", {"fp8_compute": "float16"}, id="pallas-float16"),
+    ],
+)
+@pytest.mark.parametrize("block_size", [1, 16, 32, 64, 128])
+def test_fp8_lengths_and_block_sizes(rng, block_size, impl, variant):
+    """test_decode_kernel's lengths (0, 1, block boundaries, ragged) and page sizes over an
+    FP8 cache of two scale groups, the second one short (Lkv 192 = 128 + 64), in every
+    launch variant and with the tiles converted to float16 instead of bf16."""
+    bs = block_size
+    lens = [0, 1, bs, 2 * bs, bs + 3, 3 * bs - 1, int(rng.integers(1, 4 * bs))]
+    args, dequantized = _fp8_case(rng, lens, block_size=bs)
+    got = _run(
+        args,
+        impl=impl,
+        scale=0.11,
+        schedule=decode.plan(args[-1], num_programs=3, block_k=32),
+        config=decode.default_config(16, 7)._replace(block_k=32, **variant),
+    )
+    _check(got, args, dequantized, 0.11)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_fp8_deepseek_dims(rng, impl):
+    """Lkv 512 (four scale groups) + R 64, page 64, 24 heads (padded to 32, two blocks of
+    16), split requests."""
+    args, dequantized = _fp8_case(rng, [70, 1, 129, 0], n=24, lkv=512, r=64, block_size=64)
+    config = decode.default_config(24, 4)._replace(block_k=32)
+    schedule = decode.plan(args[-1], num_programs=5, block_k=32, num_items=9)
+    got = _run(args, impl=impl, scale=0.07, config=config, schedule=schedule)
+    _check(got, args, dequantized, 0.07)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"prefetch": True, "split_tail": False}, id="prefetch"),
+        pytest.param({"fp8_compute": "float16"}, id="float16"),
+    ],
+)
+@pytest.mark.parametrize("n", [16, 128])
+def test_fp8_deepseek_scale_compiled(rng, n, variant):
+    """test_decode_kernel's ragged batch of 64 requests up to 4096 tokens, over the FP8
+    cache, on the scheduler's real program count, with the default config and the variants
+    bench_decode.py --sweep fp8 times: GPU only."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:3] = [4096, 1, 64]
+    args, dequantized = _fp8_case(rng, lens, n=n, lkv=512, r=64, block_size=64)
+    config = decode.default_config(n, 64)._replace(**variant)
+    schedule = decode.plan(
+        args[-1], num_programs=decode.num_programs(config, n), block_k=config.block_k
+    )
+    got = _run(args, impl="pallas", scale=0.07, config=config, schedule=schedule)
+    _check(got, args, dequantized, 0.07)
+
+
+def test_fp8_bad_inputs(rng):
+    (q_lat, q_pe, cache, table, lens), _ = _fp8_case(rng, [20, 40])
+    kw = dict(block_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), scale=1.0)
+    q = dict(q_lat=jnp.asarray(q_lat, jnp.bfloat16), q_pe=jnp.asarray(q_pe, jnp.bfloat16))
+    with pytest.raises(ValueError, match="share a dtype, got float32, float32, bfloat16"):
+        decode.mla_decode(jnp.asarray(q_lat), jnp.asarray(q_pe), cache, **kw)
+    bad_scales = cache._replace(scales=cache.scales.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="scales float32"):
+        decode.mla_decode(**q, kv_cache=bad_scales, **kw)
+    with pytest.raises(ValueError, match="Fp8Cache parts"):
+        decode.mla_decode(**q, kv_cache=cache._replace(scales=cache.scales[..., :1]), **kw)
+    config = decode.default_config(16, 2)
+    with pytest.raises(ValueError, match="fp8_compute 'float8_e4m3fn' must be"):
+        decode.mla_decode(
+            **q, kv_cache=cache, config=config._replace(fp8_compute="float8_e4m3fn"), **kw
+        )
+    with pytest.raises(ValueError, match="prefetch needs split_tail False"):
+        decode.mla_decode(
+            **q, kv_cache=cache, config=config._replace(prefetch=True, split_tail=True), **kw
+        )
+
+
+def _rows(cache: fp8.Fp8Cache) -> np.ndarray:
+    """Every row ``[num_blocks * block_size, Lkv + R]`` of one layer's FP8 cache,
+    dequantized by ``reference.gather_rows`` (float32)."""
+    num_blocks, block_size = cache.shape[:2]
+    slots = num_blocks * block_size
+    return np.asarray(
+        reference.gather_rows(
+            cache,
+            jnp.arange(num_blocks, dtype=jnp.int32)[None],
+            jnp.zeros(slots, jnp.int32),
+            jnp.arange(slots),
+            jnp.ones(slots, bool),
+        ).astype(jnp.float32)
+    )
+
+
+def test_write_fp8_cache(rng):
+    """Quantized kv_c, bf16 k_pe and the scales land in the slots of the layer written, in
+    all three arrays of a stacked cache; the other layers and padding are untouched."""
+    cache = init_cache(3, 5, 4, 200 + 8, "fp8", kv_lora_rank=200)
+    assert cache.kv_c.shape == (3, 5, 4, 200) and cache.k_pe.shape == (3, 5, 4, 8)
+    assert cache.scales.shape == (3, 5, 4, 2) and cache.shape == (3, 5, 4, 208)
+    kv_c = _latents(rng, (4, 200)).astype(np.float32)
+    k_pe = rng.standard_normal((4, 8)).astype(np.float32)
+    slots = np.array([7, PAD_SLOT, 0, 19], np.int32)
+    out = write_cache(
+        cache, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(slots), layer=jnp.int32(1)
+    )
+    values, scales = fp8.quantize(jnp.asarray(kv_c))
+    rows = _rows(jax.tree.map(lambda part: part[1], out))
+    written = np.zeros(20, bool)
+    for i in (0, 2, 3):
+        written[slots[i]] = True
+        np.testing.assert_array_equal(rows[slots[i], :200], _dequantized(values, scales)[i])
+        np.testing.assert_array_equal(rows[slots[i], 200:], jnp.asarray(k_pe[i], jnp.bfloat16))
+    assert (rows[~written] == 0).all()
+    for layer in (0, 2):
+        assert (_rows(jax.tree.map(lambda part, layer=layer: part[layer], out)) == 0).all()
+    # One layer's [num_blocks, block_size] arrays, no layer axis: the same rows.
+    single = write_cache(
+        jax.tree.map(lambda part: part[0], cache),
+        jnp.asarray(kv_c),
+        jnp.asarray(k_pe),
+        jnp.asarray(slots),
+    )
+    np.testing.assert_array_equal(_rows(single), rows)
+
+
+def test_fp8_layer_view_reads_its_layer(rng):
+    """``attention.LayerView`` over a stacked FP8 cache: decoding layer l through its
+    ``[L * num_blocks, ...]`` blocks and offset block ids equals decoding layer l's own
+    arrays (the reference kernel, whose FP8 path is tested above)."""
+    (q_lat, q_pe, one_layer, table, lens), _ = _fp8_case(rng, [5, 17, 0])
+    # Layers that differ in every part (k_pe, scales) and share the unowned (NaN) rows.
+    layers = [
+        one_layer._replace(k_pe=one_layer.k_pe * (1 - layer), scales=one_layer.scales * 2**layer)
+        for layer in range(3)
+    ]
+    stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *layers)
+    for layer in range(3):
+        view = LayerView(stacked, jnp.int32(layer))
+        args = q_lat, q_pe, view.blocks, view.block_ids(jnp.asarray(table)), lens
+        got = _run(args, impl="reference", scale=0.3)
+        want = _run((q_lat, q_pe, layers[layer], table, lens), impl="reference", scale=0.3)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        assert not np.isnan(np.asarray(got[0])).any()
+
+
+def test_fp8_cache_bytes_per_token():
+    """FlashMLA's 656 bytes a token at DeepSeek's dims (bf16: 1152), per layer."""
+    cache = init_cache(2, 2, 64, 576, "fp8", kv_lora_rank=512)
+    assert cache.shape == (2, 2, 64, 576) and cache.dtype == jnp.bfloat16
+    assert sum(a.nbytes for a in cache) == 2 * 2 * 64 * 656
+    assert init_cache(2, 2, 64, 576, jnp.bfloat16).nbytes == 2 * 2 * 64 * 1152
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(tiny_checkpoint(str(tmp_path_factory.mktemp("cache") / "tiny")))[1]
+
+
+def test_engine_serves_from_an_fp8_cache(tiny, rng):
+    """The engine with its cache a pytree of three stacked arrays: a precompiled step
+    donates all three arrays (no copy), and asynchronous scheduling with preemption (4
+    requests that need 13 blocks of 16 share 6) gives the synchronous tokens. The tokens'
+    accuracy is test_hf.py's (logits against a float32 cache)."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 33, 9, 20)]
+
+    def run(async_scheduling):
+        engine = Engine(
+            tiny,
+            EngineConfig(
+                num_blocks=6,
+                max_num_batched_tokens=64,
+                impl="reference",
+                kv_cache_dtype="fp8",
+                async_scheduling=async_scheduling,
+            ),
+            log=lambda _: None,
+        )
+        first = engine.runner.cache
+        assert isinstance(first, fp8.Fp8Cache) and first.kv_c.dtype == fp8.FP8
+        engine.precompile([[(20, 1), (20, 1), (0, 20)]])
+        assert all(part.is_deleted() for part in first)  # donated, not copied
+        requests = engine.generate([Request(p, 24, ignore_eos=True) for p in prompts])
+        assert engine.allocator.num_free == 6 and engine.stats.preemptions > 0
+        return [r.output_ids for r in requests]
+
+    want = run(False)
+    got = run(True)
+    assert got == want and all(len(out) == 24 for out in got)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int8", "float16", "fp16"])
+def test_unsupported_cache_dtypes_are_refused(name):
+    accepted = "accepted are auto, bfloat16, float32, fp8"
+    with pytest.raises(ValueError, match=f"unsupported kv cache dtype '{name}': {accepted}"):
+        EngineConfig(kv_cache_dtype=name)
+    with pytest.raises(ValueError, match="unsupported cache dtype"):
+        init_cache(1, 2, 4, 8, jnp.dtype(name) if name != "fp16" else jnp.float16)
+
+
+def test_cache_dtype_names():
+    assert cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert cache_dtype("float32", jnp.bfloat16) == jnp.float32
+    assert cache_dtype("fp8", jnp.float32) == "fp8"
+    with pytest.raises(ValueError, match="'auto' \\(the model's float16\\)"):
+        cache_dtype("auto", jnp.float16)

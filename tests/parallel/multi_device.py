@@ -1,0 +1,216 @@
+"""Runs tensor- and data-parallel generations on fake CPU devices, for ``test_sharding.py``.
+
+JAX fixes its device count when it is imported, and pytest has imported it long before a
+test runs, so the tests run this file in a fresh process:
+
+    python tests/parallel/multi_device.py JOB.json RESULT.json
+
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and ``JAX_PLATFORMS=cpu`` in its
+environment. The job names checkpoints, the ``generate.py`` flags they run with and the
+(checkpoint, tensor_parallel, impl) runs; the result holds each run's generated tokens,
+for the ``inspect`` checkpoint at ``inspect_tp`` every parameter's and the cache's placement
+and the collectives of a compiled decode step, and the errors of the Pallas kernels run
+under ``shard_map`` at ``inspect_tp`` (heads or experts split). The job's ``dp_runs``
+(checkpoint, data_parallel, tensor_parallel, impl) run with ``dp_flags``; for the ``inspect``
+checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result holds the cache's
+placement, each step's requests per DP rank and the collectives with their device groups.
+The test file judges them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import generate_script  # (importing conftest also sets the matmul precision)
+from flax import nnx
+
+from mla_jax import kernels
+from mla_jax.checkpoint.loader import load_model
+from mla_jax.engine.engine import Engine, EngineConfig, Request
+from mla_jax.parallel import sharding
+
+# An HLO collective: its result shape, or a tuple of them (XLA combines small all-reduces).
+_COLLECTIVE = re.compile(
+    r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[[0-9,]*\]")
+
+
+def _placement(array: jax.Array) -> dict:
+    return {
+        "shape": list(array.shape),
+        "nbytes": array.nbytes,
+        "spec": [None if axis is None else str(axis) for axis in array.sharding.spec],
+        "device_bytes": sorted(shard.data.nbytes for shard in array.addressable_shards),
+        "devices": len(array.sharding.device_set),
+    }
+
+
+def _inspect(path: str, tensor_parallel: int) -> dict:
+    """Placements of the parameters and cache, and the collectives of a few programs."""
+    _, model = load_model(path)
+    engine = Engine(
+        model,
+        EngineConfig(
+            block_size=4,
+            num_blocks=32,
+            max_num_batched_tokens=8,
+            max_num_seqs=4,
+            workspace_size=8,
+            impl="reference",
+            tensor_parallel=tensor_parallel,
+        ),
+        log=lambda _: None,
+    )
+    engine.precompile([[(5, 1)] * 2])  # a decode step (a prefill's collectives are the same)
+    runner = engine.runner
+    paths = ["/".join(path) for path in sharding.param_paths(nnx.split(model)[1])]
+    collectives = [[op, shape] for op, shape, _ in _collectives(runner.programs.values())]
+    # Loaded straight to their shards (as generate.py --tp does): the same placements.
+    _, placed = load_model(path, placement=sharding.placement(runner.mesh))
+    loaded = jax.tree.leaves(nnx.split(placed)[1])
+    return {
+        "params": {p: _placement(a) for p, a in zip(paths, runner.params, strict=True)},
+        "loaded_params": {p: _placement(a) for p, a in zip(paths, loaded, strict=True)},
+        "cache": _placement(runner.cache),
+        "collectives": collectives,
+    }
+
+
+def _collectives(programs) -> list[list[str]]:
+    """``[op, result shape, replica groups]`` of each collective of compiled ``programs``."""
+    collectives = []
+    for program in programs:
+        for line in program.as_text().splitlines():
+            if match := _COLLECTIVE.search(line):
+                groups = re.search(r"replica_groups=(\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\])", line)
+                for shape in _SHAPE.findall(match.group(1)):
+                    collectives.append([match.group(2), shape, groups and groups.group(1)])
+    return collectives
+
+
+def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: int) -> dict:
+    """A data-parallel run of ``flags``' prompts: each step's ``[decodes, prompt chunks]``
+    per DP rank, the cache's placement and the collectives of the programs."""
+    generate = generate_script()
+    parser = generate._parser()
+    argv = ["--model", path, *flags, "--dp", str(data_parallel), "--tp", str(tp)]
+    args = parser.parse_args(argv)
+    prompts = args.prompt_ids
+    _, model = load_model(path)
+    engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
+    runner = engine.runner
+    per_rank = []
+    launch = runner.launch
+
+    def recording_launch(batches, previous, buckets):
+        per_rank.append(
+            [
+                [sum(e.count == 1 for e in batch), sum(e.count > 1 for e in batch)]
+                for batch in batches
+            ]
+        )
+        return launch(batches, previous, buckets)
+
+    runner.launch = recording_launch
+    requests = [Request(p, args.max_new_tokens) for p in prompts]
+    engine.generate(requests)
+    return {
+        "dp_tokens": [req.output_ids for req in requests],
+        "dp_requests_per_rank": per_rank,
+        "dp_cache": _placement(runner.cache),
+        "dp_collectives": _collectives(runner.programs.values()),
+    }
+
+
+def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
+    """The Pallas kernels (interpreted) under ``sharding.sharded_kernels``, each rank on its
+    heads or experts, against the unsharded references: relative error of each output."""
+    mesh = sharding.make_mesh(tensor_parallel)
+    pallas = sharding.sharded_kernels(kernels.PALLAS, mesh)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    heads, lkv, rope, block_size = 2 * tensor_parallel, 32, 16, 4
+    cache = normal(12, block_size, lkv + rope)
+    table = jnp.asarray(rng.permutation(12).reshape(3, 4), jnp.int32)
+    seq_lens = jnp.asarray([5, 16, 1], jnp.int32)
+    decode = (normal(3, heads, lkv), normal(3, heads, rope), cache, table, seq_lens)
+    cu_q, cu_k = jnp.asarray([0, 3, 9], jnp.int32), jnp.asarray([0, 5, 12], jnp.int32)
+    prefill = (normal(10, heads, 24), normal(12, heads, 24), normal(12, heads, 8), cu_q, cu_k)
+    merge = (normal(10, heads, 8), normal(10, heads), normal(10, heads, 8), normal(10, heads))
+    experts = 2 * tensor_parallel
+    group_sizes = jnp.asarray(rng.multinomial(18, np.ones(experts) / experts), jnp.int32)
+    grouped = (normal(20, 24), normal(3 * experts, 24, 16), group_sizes)  # 3 layers' experts
+    calls = {
+        "mla_decode": (decode, dict(scale=0.3)),
+        "flash_prefill": (prefill, dict(scale=0.2, causal=True)),
+        "merge_attn_states": (merge, {}),
+        # 2 experts a rank, the second layer's, 2 padding rows.
+        "grouped_matmul": (grouped, dict(group_offset=experts)),
+    }
+    errors = {}
+    for name, (args, options) in calls.items():
+        got = getattr(pallas, name)(*args, **options)
+        want = getattr(kernels.REFERENCE, name)(*args, **options)
+        if name == "grouped_matmul":  # one output, not a tuple
+            got, want = (got,), (want,)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            finite = np.isfinite(w)
+            assert (np.isfinite(g) == finite).all(), name
+            errors[f"{name}[{i}]"] = float(
+                np.linalg.norm(g[finite] - w[finite]) / np.linalg.norm(w[finite])
+            )
+    return errors
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    generate = generate_script()
+    tokens = {}
+    for name, tensor_parallel, impl in job["runs"]:
+        argv = ["--model", job["checkpoints"][name], *job["flags"], "--impl", impl]
+        start = time.perf_counter()
+        result = generate.main([*argv, "--tp", str(tensor_parallel)])
+        print(
+            f"{name} tp {tensor_parallel} {impl}: {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+        )
+        key = f"{name}/{tensor_parallel}/{impl}"
+        tokens[key] = [output["generated_ids"] for output in result["outputs"]]
+    for name, data_parallel, tensor_parallel, impl in job["dp_runs"]:
+        argv = ["--model", job["checkpoints"][name], *job["dp_flags"], "--impl", impl]
+        start = time.perf_counter()
+        result = generate.main([*argv, "--dp", str(data_parallel), "--tp", str(tensor_parallel)])
+        key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+        print(f"{key}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        tokens[key] = [output["generated_ids"] for output in result["outputs"]]
+    inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
+    errors = _kernel_errors(job["inspect_tp"], job["seed"])
+    inspected.update(
+        _inspect_data_parallel(
+            job["checkpoints"][job["inspect"]],
+            [*job["dp_flags"], "--impl", "reference"],
+            *job["dp_inspect"],
+        )
+    )
+    with open(result_path, "w") as f:
+        json.dump(
+            {"devices": jax.device_count(), "tokens": tokens, "kernel_errors": errors, **inspected},
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,269 @@
+"""Tensor and data parallelism (``mla_jax/parallel/sharding.py``, ``generate.py --tp/--dp``) on 4
+fake CPU devices.
+
+The device count is fixed when JAX is imported, so the multi-device runs happen in a fresh
+process (``multi_device.py``, with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``):
+greedy float32 tokens at TP 2 and 4 on transformers test checkpoints (8 heads with q LoRA;
+4 heads, no q LoRA, a run of two MoE layers with their experts split by expert), chunked
+prefill included, against transformers' greedy generate; at TP 4, where every parameter and
+the cache live and which collectives a compiled step runs; the Pallas kernels under
+shard_map. Data parallelism: greedy tokens at DP 2 and DP 2 x TP 2 on three prompts of
+different lengths (ranks idle or lacking a part in some steps), the cache split over the DP
+ranks, collectives only within a DP rank. Refusals run here, on this process's one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import _BASE_SEED, ROOT, TESTS, generate_script
+
+from mla_jax.engine.engine import EngineConfig
+
+DEVICES = 4
+PROMPT_LENGTHS = (13,)
+NEW_TOKENS = 6
+# Block 4, workspace 8 and a budget of 8 tokens: the prompt is prefilled in two chunks, the
+# second over its cached context (the merge kernel runs), then decoded: two programs per
+# run (compiling dominates these tests' time).
+FLAGS = ["--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--no-compilation-cache"]
+FLAGS += ["--block-size", "4", "--workspace-size", "8", "--max-num-batched-tokens", "8"]
+FLAGS += ["--max-num-seqs", "4"]
+# The kernels run the references here; multi_device.py checks the Pallas kernels under
+# shard_map on their own (interpreting them through whole models would take minutes).
+RUNS = [["v3", 2, "reference"], ["v3", 4, "reference"], ["v2-moe", 4, "reference"]]
+INSPECT, INSPECT_TP = "v2-moe", 4  # a dense layer and a MoE layer
+# Data parallelism: three prompts over two ranks (13 and 9 on rank 0, 5 on rank 1): rank 1
+# prefills in one step while rank 0 takes three, and finishes first (then it is idle).
+DP_PROMPT_LENGTHS = (13, 5, 9)
+DP_RUNS = [["v3", 2, 1, "reference"], ["v3", 2, 2, "reference"]]
+DP_INSPECT = [2, 2]  # data_parallel, tensor_parallel of the inspected (INSPECT) run
+
+
+@pytest.fixture(scope="module")
+def multi_device(tmp_path_factory):
+    """Runs ``multi_device.py`` once for the module; returns (its result, the
+    transformers greedy tokens of each checkpoint)."""
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from test_hf import write_checkpoint
+
+    rng = np.random.default_rng([_BASE_SEED, 12])
+    prompts = [rng.integers(0, 96, n).tolist() for n in PROMPT_LENGTHS]
+    dp_prompts = [rng.integers(0, 96, n).tolist() for n in DP_PROMPT_LENGTHS]
+    flags, dp_flags = list(FLAGS), list(FLAGS)
+    for prompt in prompts:
+        flags += ["--prompt-ids", ",".join(map(str, prompt))]
+    for prompt in dp_prompts:
+        dp_flags += ["--prompt-ids", ",".join(map(str, prompt))]
+    root = tmp_path_factory.mktemp("tp")
+    checkpoints, expected, dp_expected = {}, {}, {}
+    for name in sorted({run[0] for run in RUNS}):
+        path = root / name
+        hf = write_checkpoint(name, path, int(rng.integers(2**31)))
+        checkpoints[name] = str(path)
+        with torch.no_grad():
+            expected[name], dp_expected[name] = (
+                [
+                    hf.generate(
+                        torch.tensor([p]),
+                        max_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                        eos_token_id=None,
+                    )[0, len(p) :].tolist()
+                    for p in some
+                ]
+                for some in (prompts, dp_prompts)
+            )
+    job = dict(checkpoints=checkpoints, flags=flags, runs=RUNS, inspect=INSPECT)
+    job.update(inspect_tp=INSPECT_TP, seed=int(rng.integers(2**31)))
+    job.update(dp_flags=dp_flags, dp_runs=DP_RUNS, dp_inspect=DP_INSPECT)
+    (root / "job.json").write_text(json.dumps(job))
+    tests = os.path.dirname(__file__)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, os.path.join(tests, "multi_device.py"), root / "job.json", root / "out"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((root / "out").read_text()), {**expected, "dp": dp_expected}
+
+
+@pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in RUNS])
+def test_tensor_parallel_greedy_tokens_match_transformers(multi_device, run):
+    result, expected = multi_device
+    assert result["devices"] == DEVICES
+    assert result["tokens"][run] == expected[run.split("/")[0]]
+
+
+# The parameter suffixes split by tensor parallelism and the axis (from the end) they split
+# (the inspected checkpoint has no q LoRA: q_proj, not q_b_proj).
+SPLIT = {
+    "self_attn/q_proj/kernel": -1,  # by output heads
+    "self_attn/kv_b_proj/kernel": -1,  # by heads
+    "self_attn/o_proj/kernel": -2,  # by input heads
+    "/mlp/gate_proj/kernel": -1,  # the dense layer's MLP
+    "/mlp/up_proj/kernel": -1,
+    "/mlp/down_proj/kernel": -2,
+    "shared_experts/gate_proj/kernel": -1,
+    "shared_experts/up_proj/kernel": -1,
+    "shared_experts/down_proj/kernel": -2,
+    "experts/gate_up_proj": -3,  # routed experts [E, H, 2I]: by expert
+    "experts/down_proj": -3,
+    "embed_tokens/embedding": -2,  # by vocabulary
+    "lm_head/kernel": -1,
+}
+
+
+def test_parameters_are_split_and_the_cache_replicated(multi_device):
+    result, _ = multi_device
+    params = result["params"]
+    split = set()
+    for path, placement in params.items():
+        assert placement["devices"] == DEVICES, path
+        suffix = next((s for s in SPLIT if f"/{path}".endswith(s)), None)
+        if suffix is None:  # norms, kv_a_proj, the router: every device holds all of it
+            assert placement["device_bytes"] == [placement["nbytes"]] * DEVICES, path
+            continue
+        split.add(suffix)
+        axis = SPLIT[suffix]
+        spec = [None] * len(placement["shape"])
+        spec[axis] = "tp"
+        assert placement["spec"] + [None] * (len(spec) - len(placement["spec"])) == spec, path
+        assert placement["device_bytes"] == [placement["nbytes"] // DEVICES] * DEVICES, path
+    assert split == set(SPLIT)
+    total = sum(p["nbytes"] for p in params.values())
+    per_device = sum(p["device_bytes"][0] for p in params.values())
+    assert per_device < 0.5 * total  # most of the weights are split four ways
+    cache = result["cache"]
+    assert cache["spec"] == [] and cache["device_bytes"] == [cache["nbytes"]] * DEVICES
+    # load_model with sharding.placement (generate.py --tp) puts each parameter where the
+    # engine wants it, without a whole copy on one device first.
+    assert result["loaded_params"] == params
+
+
+def test_only_activation_collectives(multi_device):
+    """The compiled steps sum partial products: ``[T, H]`` ones (o_proj, the MLPs'
+    down_proj, the vocabulary-split embedding lookup) and the routed experts' ``[T k, 2I]``
+    and ``[T k, H]`` rows; they gather each rank's best logit and its index for sampling. No
+    weight or cache moves between devices."""
+    result, _ = multi_device
+    params = result["params"]
+    hidden = params["norm/weight"]["shape"][0]
+    gate_up = next(p["shape"][-1] for path, p in params.items() if path.endswith("gate_up_proj"))
+    widths = {"all-reduce": set(), "all-gather": set()}
+    for op, shape in result["collectives"]:
+        dims = [int(d) for d in shape.split("[")[1].split("]")[0].split(",")]
+        assert op in widths and len(dims) == 2, (op, shape)
+        widths[op].add(dims[-1])
+    assert widths == {"all-reduce": {hidden, gate_up}, "all-gather": {DEVICES}}
+
+
+def test_pallas_kernels_under_shard_map_match_the_references(multi_device):
+    """Decode, prefill and merge kernels split by heads over 4 devices (2 heads each), the
+    grouped matmul by experts (2 each), vs the unsharded references, float32: both compute
+    the same sums in another order (observed ~1e-7; test_reference_kernels checks the
+    references against float64 NumPy)."""
+    result, _ = multi_device
+    assert len(result["kernel_errors"]) == 7
+    for name, error in result["kernel_errors"].items():
+        assert error < 1e-6, name
+
+
+@pytest.mark.parametrize(
+    "tp,message",
+    [
+        (3, "--tp 3: tensor_parallel=3 does not divide the model's num_attention_heads (16)"),
+        (32, "--tp 32: tensor_parallel=32 does not divide the model's num_attention_heads (16)"),
+    ],
+)
+def test_tensor_parallel_not_dividing_the_heads_is_refused(tp, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_script().main(
+            ["--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--tp", str(tp)]
+        )
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_tensor_parallel_beyond_the_devices_is_refused(capsys):
+    import jax
+
+    tp = 2 * jax.device_count()
+    with pytest.raises(SystemExit):
+        generate_script().main(
+            ["--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--tp", str(tp)]
+        )
+    assert f"--tp {tp}: tensor_parallel={tp} needs that many devices" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tensor_parallel must be positive, got 0"):
+        EngineConfig(tensor_parallel=0)
+
+
+@pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in DP_RUNS])
+def test_data_parallel_greedy_tokens_match_transformers(multi_device, run):
+    result, expected = multi_device
+    name, data_parallel, tensor_parallel, impl = run.split("/")
+    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+    assert result["tokens"][key] == expected["dp"][name]
+
+
+def test_data_parallel_ranks_run_their_own_requests_on_their_own_cache(multi_device):
+    """The inspected run (MoE checkpoint, DP 2 x TP 2): its tokens; steps where one rank
+    prefills while the other decodes, and where one rank has no request; the cache split in
+    halves over the DP ranks (each half on both TP devices of its rank); every collective
+    within a DP rank's TP pair (devices {0, 1} and {2, 3}): none crosses DP ranks."""
+    result, expected = multi_device
+    assert result["dp_tokens"] == expected["dp"][INSPECT]
+    per_rank = result["dp_requests_per_rank"]
+    assert any([0, 0] in ranks for ranks in per_rank), per_rank  # a rank without requests
+    # A rank with decodes and no prompt chunk while the other has one (padding on each).
+    assert any(
+        any(decodes and not chunks for decodes, chunks in ranks)
+        and any(chunks for _, chunks in ranks)
+        for ranks in per_rank
+    ), per_rank
+    cache = result["dp_cache"]
+    data_parallel, tensor_parallel = DP_INSPECT
+    assert cache["spec"] == [None, "dp"]
+    assert cache["devices"] == data_parallel * tensor_parallel
+    assert cache["device_bytes"] == [cache["nbytes"] // data_parallel] * DEVICES
+    groups = {groups for _, _, groups in result["dp_collectives"]}
+    assert result["dp_collectives"] and groups <= {"{{0,1},{2,3}}", "[2,2]<=[4]"}, groups
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dp", "2"], "--dp 2 --tp 1: data_parallel=2 x tensor_parallel=1 needs 2 devices; 1"),
+        (
+            ["--dp", "2", "--num-blocks", "5"],
+            "num_blocks (5) does not divide among data_parallel=2 ranks",
+        ),
+        (
+            ["--dp", "2", "--num-blocks", "4"],
+            "num_blocks (4) leaves no block to each of data_parallel=2 ranks after its 2 "
+            "scratch blocks",
+        ),
+    ],
+)
+def test_bad_data_parallel_is_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_script().main(
+            ["--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", *flags]
+        )
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(ValueError, match="data_parallel must be positive, got 0"):
+        EngineConfig(data_parallel=0)

@@ -1,0 +1,128 @@
+"""scripts/generate.py refuses bad flags before loading anything, in one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, generate_script
+
+from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
+from mla_jax.engine.engine import RequestError
+from mla_jax.model.config import ConfigError, config_to_dict
+
+SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
+generate = generate_script()
+
+# A model folder that does not exist: a flag error reported with it shows that the flags are
+# checked before the model is looked at.
+NOWHERE = "/nonexistent/model"
+REQUEST = ["--prompt-ids", "3,14,15", "--max-new-tokens", "4"]
+ARGV = ["--model", NOWHERE, *REQUEST]
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """The one error line argparse prints for ``argv`` (after the usage lines)."""
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("usage:") and "Traceback" not in "\n".join(lines)
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--block-size", "0"], "argument --block-size: want an integer >= 1, got '0'"),
+        (["--block-size", "-16"], "argument --block-size: want an integer >= 1, got '-16'"),
+        (["--max-new-tokens", "-5"], "argument --max-new-tokens: want an integer >= 1"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: want an integer >= 1"),
+        (["--num-blocks", "0"], "argument --num-blocks: want an integer >= 1, got '0'"),
+        (["--workspace-size", "2.5"], "argument --workspace-size: want an integer >= 1"),
+        (["--temperature", "-1"], "argument --temperature: want a number >= 0, got '-1'"),
+        (["--temperature", "nan"], "argument --temperature: want a number >= 0"),
+        (["--block-size", "32", "--workspace-size", "16"], "workspace_size (16) must hold"),
+        (["--impl", "triton"], "argument --impl: invalid choice: 'triton'"),
+    ],
+)
+def test_bad_numbers_are_named(capsys, flags, message):
+    assert message in _usage_error(capsys, ARGV + flags)
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        ("1.5", "'1.5' is not a token id in '1.5'"),
+        ("3,1.5,4", "'1.5' is not a token id in '3,1.5,4'"),
+        ("3,-1", "'-1' is not a token id in '3,-1'"),
+        ("1,,2", "an empty item in '1,,2'"),
+        ("1,2,", "an empty item in '1,2,'"),
+        ("", "an empty item in ''"),
+    ],
+)
+def test_bad_prompt_ids_are_named(capsys, ids, message):
+    line = _usage_error(capsys, ARGV + ["--prompt-ids", ids])
+    assert f"argument --prompt-ids: {message} (want comma-separated integers >= 0)" in line
+
+
+def test_prompt_ids_allow_spaces():
+    args = generate._parser().parse_args(
+        ["--model", NOWHERE, "--prompt-ids", " 3, 14 ,15", "--max-new-tokens", "4"]
+    )
+    assert args.prompt_ids == [[3, 14, 15]]
+
+
+def test_unwritable_output_is_refused_before_loading(capsys, tmp_path):
+    missing = tmp_path / "missing" / "result.json"
+    line = _usage_error(capsys, ARGV + ["--output", str(missing)])
+    assert f"--output {missing}: {missing.parent} is not an existing directory" in line
+    line = _usage_error(capsys, ARGV + ["--output", str(tmp_path)])
+    assert f"--output {tmp_path} is a directory" in line
+
+
+def test_checkpoint_errors_are_raised_by_main(tmp_path):
+    """``main`` raises the library's errors (``cli`` prints them)."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(config_to_dict(TINY), quantization_config="fp8"))
+    )
+    with pytest.raises(ConfigError, match="quantization_config"):
+        generate.main(["--model", str(tmp_path), *REQUEST])
+
+
+def test_cli_prints_a_request_error_in_one_line(monkeypatch, tmp_path):
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    argv = ["generate.py", "--model", model_dir, "--prompt-ids", "3,600", "--max-new-tokens", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        generate.cli()
+    assert (
+        exit_info.value.code == "error: prompt token ids [600] are outside the vocabulary [0, 512)"
+    )
+    with pytest.raises(RequestError):
+        generate.main(argv[1:])
+
+
+def _run_script(flags: list[str], *, cache: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MLA_JAX_CACHE=cache)
+    cmd = [sys.executable, SCRIPT, *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_script_names_a_bad_flag_without_a_traceback(tmp_path):
+    proc = _run_script(["--model", "tiny", *REQUEST, "--block-size", "0"], cache=str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "generate.py: error: argument --block-size: want an integer >= 1, got '0'"
+    )
+    assert not os.listdir(tmp_path)  # refused before the tiny checkpoint was built
+
+
+def test_script_prints_a_checkpoint_error_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(config_to_dict(TINY), moe_layer_freq=0)))
+    proc = _run_script(["--model", str(tmp_path), *REQUEST], cache=str(tmp_path / "cache"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "error: moe_layer_freq must be an integer >= 1, got 0"
