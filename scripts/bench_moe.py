@@ -27,31 +27,11 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.kernels import grouped_matmul as gm
-from mla_jax.model.config import MoEConfig
+from mla_jax.model.config import MoEConfig, moe_preset
 from mla_jax.model.moe import MoE, route, routed_experts
 
-V2_LITE = MoEConfig(
-    hidden_size=2048,
-    n_routed_experts=64,
-    num_experts_per_tok=6,
-    moe_intermediate_size=1408,
-    n_shared_experts=2,
-    scoring_func="softmax",
-    topk_method="greedy",
-)
-V3 = MoEConfig(
-    hidden_size=7168,
-    n_routed_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=2048,
-    n_shared_experts=1,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    n_group=8,
-    topk_group=4,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-)
+V2_LITE = moe_preset("deepseek-v2-lite")
+V3 = moe_preset("deepseek-v3")
 LAYERS = {"DeepSeek-V2-Lite": V2_LITE, "DeepSeek-V3": V3}
 DECODE_TOKENS, PREFILL_TOKENS = 64, 8192
 BF16 = 2  # bytes

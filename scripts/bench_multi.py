@@ -36,8 +36,8 @@ from benchlib import _gpu_kernel_events, machine, save
 from flax import nnx
 
 from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, Request
-from mla_jax.engine.runner import scratch_blocks
 from mla_jax.model.deepseek import DeepseekModel
 
 # Kernels of a collective: NCCL's own, whatever XLA names them.

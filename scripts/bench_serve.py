@@ -237,7 +237,7 @@ def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
         model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         engine = Engine(model, _engine_config(num_blocks=512), log=lambda _: None)
         engine.precompile([[(100, 1)] * 64, [(0, 2048)]])
-        seconds = [round(s, 2) for _, s, _ in engine.runner.compiled]
+        seconds = [round(program.seconds, 2) for program in engine.stats.compiled]
         rows.append({"cells": [depth, *seconds]})
         print(f"compile at {depth} layers: {seconds}", flush=True)
         del engine, model

@@ -20,8 +20,8 @@ from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.loader import WeightsError, load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
 from mla_jax.engine import compilation
+from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
-from mla_jax.engine.runner import scratch_blocks
 from mla_jax.model.config import ConfigError, load_config
 from mla_jax.parallel import sharding
 
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--compilation-cache",
         metavar="DIR",
-        help=f"compiled programs on disk (default: {compilation.default_cache_dir()})",
+        help=f"compiled programs on disk (default: {compilation.default_program_dir()})",
     )
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile every run")
     ap.add_argument("--impl", choices=["auto", "pallas", "reference"], default="auto")
@@ -149,7 +149,7 @@ def _engine_config(
     """The engine's settings from the flags; by default a cache that holds every request."""
     if args.num_blocks is None and prompts:
         per_request = -(-(max(map(len, prompts)) + args.max_new_tokens) // args.block_size)
-        # Each DP rank holds its share of the requests, and its scratch blocks (runner.py).
+        # Each DP rank holds its share of the requests, and its scratch blocks (engine/batch.py).
         per_rank = per_request * -(-len(prompts) // args.dp)
         per_rank += scratch_blocks(args.block_size, args.dp)
         num_blocks = per_rank * args.dp

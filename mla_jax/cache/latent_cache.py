@@ -144,6 +144,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        """Blocks not held by any request."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:

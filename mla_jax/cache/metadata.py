@@ -52,6 +52,7 @@ class Buckets:
     num_chunks: int | None = None  # context chunks of every step with prefills
 
     def decodes(self, n: int) -> int:
+        """Padded decode batch for ``n`` decodes (0 for none)."""
         if n == 0:
             return 0
         if self.decode_buckets is None:
@@ -59,6 +60,7 @@ class Buckets:
         return _smallest_fit(n, self.decode_buckets, "decodes")
 
     def prefill_tokens(self, n: int) -> int:
+        """Padded token count of the prompt chunks for ``n`` tokens (0 for none)."""
         if n == 0:
             return 0
         if self.token_buckets is None:
@@ -66,6 +68,7 @@ class Buckets:
         return _smallest_fit(n, self.token_buckets, "prefill tokens")
 
     def prefills(self, n: int) -> int:
+        """Padded prompt-chunk slots for ``n`` chunks (0 for none)."""
         if n == 0:
             return 0
         if self.num_prefills is None:
@@ -73,16 +76,19 @@ class Buckets:
         return _smallest_fit(n, (self.num_prefills,), "prefill requests")
 
     def blocks(self, n: int) -> int:
+        """Block-table width for a request needing ``n`` blocks."""
         if self.table_width is None:
             return _pow2_at_least(n, self.min_blocks)
         return _smallest_fit(n, (self.table_width,), "blocks of a request")
 
     def chunks(self, n: int) -> int:
+        """Context chunks for ``n`` needed (0 for none, unless the count is fixed)."""
         if self.num_chunks is None:
             return 0 if n == 0 else _pow2_at_least(n, 1)
         return _smallest_fit(n, (self.num_chunks,), "context chunks")
 
     def chunk_tokens(self, n: int, workspace_size: int) -> int:
+        """Rows of a context chunk whose largest needs ``n``, within ``workspace_size``."""
         if self.num_chunks is not None:
             return workspace_size
         return min(_pow2_at_least(n, self.min_chunk_tokens), workspace_size)
@@ -146,6 +152,8 @@ class ChunkedContext:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeMetadata:
+    """The decodes of a step (Bd padded requests of one token each)."""
+
     block_table: np.ndarray  # [Bd, Wd] int32; entries past a request's need are never read
     seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
     schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
@@ -154,6 +162,8 @@ class DecodeMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillMetadata:
+    """The prompt chunks of a step (Bp padded requests), their cached context included."""
+
     query_start_loc: np.ndarray  # [Bp + 1] int32, offsets into the prefill token region
     seq_lens: np.ndarray  # [Bp] int32: context + new tokens
     context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
@@ -165,6 +175,9 @@ class PrefillMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
+    """Where a step's T tokens sit in the cache and whom they attend to: the pytree every
+    attention layer of the step reads (arrays to the device once; the sizes are static)."""
+
     positions: np.ndarray  # [T] int32
     slot_mapping: np.ndarray  # [T] int32; PAD_SLOT on padding
     logits_indices: np.ndarray  # [Bd + Bp] int32: the last token of each request
@@ -181,6 +194,7 @@ class AttentionMetadata:
 
     @property
     def num_decode_tokens(self) -> int:
+        """Rows of the decode region at the front of the token axis (Bd)."""
         return 0 if self.decode is None else self.decode.seq_lens.shape[0]
 
     def token_rows(self) -> np.ndarray:
@@ -215,6 +229,8 @@ class AttentionMetadata:
 
 
 class StepShape(NamedTuple):
+    """The padded sizes that select a step's compiled program."""
+
     tokens: int
     decodes: int
     decode_blocks: int

@@ -122,25 +122,6 @@ def dequantize(
     return padded[:out, :inp].astype(dtype)
 
 
-def quantize(
-    weight: np.ndarray, quantization: FP8BlockQuantization
-) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of ``dequantize`` up to fp8 rounding (for tests and converters): each
-    block scaled so that its largest magnitude maps to fp8's largest (448). Returns
-    ``(weight float8_e4m3fn [out, in], scale_inv float32 [cdiv(out, bo), cdiv(in, bi)])``; an
-    all-zero block gets scale 1."""
-    weight = np.asarray(weight, np.float32)
-    (out, inp), (bo, bi) = weight.shape, quantization.weight_block_size
-    rows, cols = quantization.scale_shape(weight.shape)
-    padded = np.zeros((rows * bo, cols * bi), np.float32)
-    padded[:out, :inp] = weight
-    blocks = padded.reshape(rows, bo, cols, bi)
-    amax = np.abs(blocks).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
-    quantized = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp]
-    return quantized.astype(FP8), scale
-
-
 # safetensors dtype names -> NumPy dtypes, those the loader may meet in a DeepSeek checkpoint.
 _DTYPES = {
     "F8_E4M3": FP8,

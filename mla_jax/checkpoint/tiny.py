@@ -41,13 +41,14 @@ TINY = ModelConfig(
 )
 
 
-def default_cache_dir() -> str:
+def default_tiny_dir() -> str:
+    """Where the tiny checkpoint is written by default: in ``cache_root()``."""
     return os.path.join(cache_root(), "tiny-deepseek-v3")
 
 
 def tiny_checkpoint(path: str | None = None, seed: int = 0) -> str:
     """Path of the tiny checkpoint, written on first use (or when its config changed)."""
-    path = path or default_cache_dir()
+    path = path or default_tiny_dir()
     config_path = os.path.join(path, "config.json")
     if os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "model.safetensors")):
         with open(config_path) as f:

@@ -30,15 +30,16 @@ def cache_root() -> str:
     )
 
 
-def default_cache_dir() -> str:
+def default_program_dir() -> str:
+    """Where compiled programs go by default: ``xla`` in ``cache_root()``."""
     return os.path.join(cache_root(), "xla")
 
 
 def enable_cache(path: str | None = None) -> str:
-    """Stores every compiled program under ``path`` (default: ``default_cache_dir()``),
+    """Stores every compiled program under ``path`` (default: ``default_program_dir()``),
     however quick its compilation was, and loads it from there in later processes. Returns
     the folder. JAX's setting is process-wide."""
-    path = path or default_cache_dir()
+    path = path or default_program_dir()
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

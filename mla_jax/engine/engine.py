@@ -1,15 +1,17 @@
 """A small generation engine: continuous batching, chunked prefill, a fixed set of programs.
 
-The engine checks requests, asks the scheduler (``scheduler.py``) for each step and hands it
-to the model runner (``runner.py``). With ``async_scheduling`` (the default) it builds and
-launches step n+1 before reading step n's sampled tokens, as vLLM's asynchronous scheduling
-does, so the host's work overlaps the device's; a request that ends on an EOS token is found
-one step late, and that step's token for it is dropped.
+The engine checks requests, asks the scheduler (``scheduler.py``) for each step, turns it
+into arrays (``batch.py``) and hands them to the model runner (``runner.py``); the sampled
+tokens come back to the requests and the scheduler: data flows one way. With
+``async_scheduling`` (the default) it builds and launches step n+1 before reading step n's
+sampled tokens, as vLLM's asynchronous scheduling does, so the host's work overlaps the
+device's; a request that ends on an EOS token is found one step late, and that step's token
+for it is dropped.
 
 Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
 decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
 context chunks), so a workload compiles only from that set, which ``precompile()`` compiles
-ahead of time and JAX's persistent cache (``mla_jax.engine.compilation``) keeps across processes.
+ahead of time and JAX's persistent cache (``compilation.py``) keeps across processes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import numpy as np
 
 from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
-from mla_jax.engine.runner import Launched, ModelRunner, scratch_blocks
-from mla_jax.engine.scheduler import Request, Scheduled, Scheduler
+from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
+from mla_jax.engine.request import Request
+from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput
+from mla_jax.engine.scheduler import Scheduled, Scheduler
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.parallel import sharding
@@ -40,6 +44,9 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """How the engine runs: the cache's geometry and dtype, a step's budget, the programs'
+    shapes, the kernels, and the GPUs (tensor and data parallelism)."""
+
     block_size: int = 16
     num_blocks: int = 1024
     max_num_batched_tokens: int = 512  # token budget of one step
@@ -143,6 +150,8 @@ class StepRecord(NamedTuple):
 
 @dataclasses.dataclass
 class Stats:
+    """What the engine did so far: steps, tokens, time, compilations, preemptions."""
+
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -151,10 +160,16 @@ class Stats:
     programs_from_cache: int = 0  # of the buckets, those loaded from the compilation cache
     first_token_s: float | None = None  # from generate()'s start to its first sampled token
     preemptions: int = 0  # requests whose blocks were taken, to be recomputed
-    buckets: list[StepShape] = dataclasses.field(default_factory=list)
+    compiled: list[Compiled] = dataclasses.field(default_factory=list)  # programs, in order
     step_records: list[StepRecord] = dataclasses.field(default_factory=list)
 
+    @property
+    def buckets(self) -> list[StepShape]:
+        """The shapes of the programs compiled (or loaded) so far."""
+        return [program.shape for program in self.compiled]
+
     def as_dict(self) -> dict:
+        """The stats as JSON-ready numbers (``result.json``), with medians of decode steps."""
         run_s = max(self.elapsed_s - self.compile_s, 1e-9)
         decode_steps = [r for r in self.step_records if r.decodes and not r.prefill_tokens]
         return {
@@ -172,6 +187,24 @@ class Stats:
             "programs_from_cache": self.programs_from_cache,
             "preemptions": self.preemptions,
             "buckets": [s._asdict() for s in self.buckets],
+        }
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step on the device: each DP rank's scheduled chunks and where their tokens land."""
+
+    scheduled: list[list[Scheduled]]
+    output: StepOutput
+
+    def previous_rows(self) -> dict[int, int]:
+        """For each request (by ``id``) whose token this step samples, its row among its
+        rank's sampled tokens: where the next step's pending token comes from."""
+        return {
+            id(entry.request): int(row)
+            for batch, rows in zip(self.scheduled, self.output.rows, strict=True)
+            for entry, row in zip(batch, rows, strict=True)
+            if entry.samples
         }
 
 
@@ -205,11 +238,15 @@ class Engine:
                 "data parallelism needs buckets that fix num_prefills, table_width and "
                 "num_chunks (EngineConfig.fixed_buckets), so that every rank's step has one shape"
             )
+        # A step samples at most one token per decode slot and prefill slot.
+        self.max_rows = self.buckets.decodes(cfg.max_num_seqs) + self.buckets.prefills(
+            cfg.prefill_slots
+        )
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
             mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
-            cache_sharding = sharding.over_ranks(mesh, axis=1)
+            cache_sharding = sharding.per_data_rank(mesh, axis=1)
         cache = init_cache(
             self.model_cfg.num_layers,
             cfg.num_blocks,
@@ -224,15 +261,14 @@ class Engine:
             cache,
             block_size=cfg.block_size,
             workspace_size=cfg.workspace_size,
-            # A step samples at most one token per decode slot and prefill slot.
-            max_rows=self.buckets.decodes(cfg.max_num_seqs)
-            + self.buckets.prefills(cfg.prefill_slots),
+            max_rows=self.max_rows,
             impl=cfg.impl,
             seed=seed,
             mesh=mesh,
         )
-        # One allocator and scheduler per DP rank, over its blocks less the runner's scratch.
-        self.blocks_per_rank = self.runner.num_blocks - self.runner.scratch_blocks
+        # One allocator and scheduler per DP rank, over its blocks less its scratch blocks.
+        self.rank_blocks = cfg.num_blocks // cfg.data_parallel
+        self.blocks_per_rank = self.rank_blocks - scratch_blocks(cfg.block_size, cfg.data_parallel)
         self.schedulers = [
             Scheduler(
                 BlockAllocator(self.blocks_per_rank),
@@ -246,21 +282,6 @@ class Engine:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
         self._last_launch: float | None = None
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler, without data parallelism (``schedulers``: one per DP rank)."""
-        if len(self.schedulers) != 1:
-            raise ValueError(
-                f"data_parallel={len(self.schedulers)}: the engine has one scheduler and "
-                "allocator per rank (engine.schedulers)"
-            )
-        return self.schedulers[0]
-
-    @property
-    def allocator(self) -> BlockAllocator:
-        """The block allocator, without data parallelism."""
-        return self.scheduler.allocator
 
     # -- requests ----------------------------------------------------------------------
 
@@ -303,58 +324,71 @@ class Engine:
 
     def _launch(
         self,
-        batches: list[list[Scheduled]],
-        previous: Launched | None,
+        scheduled: list[list[Scheduled]],
+        previous: InFlight | None,
         started: float,
-        buckets=None,
-    ) -> Launched:
-        """Starts each DP rank's batch on the device (``started``: when its scheduling
-        began)."""
-        compiled = len(self.runner.compiled)
-        launched = self.runner.launch(batches, previous, buckets or self.buckets)
-        batch = launched.batch
+        buckets: Buckets | None = None,
+    ) -> InFlight:
+        """Starts each DP rank's scheduled chunks on the device (``started``: when its
+        scheduling began)."""
+        buckets = buckets or self.buckets
+        previous_rows = previous.previous_rows() if previous is not None else {}
+        batches = [build_batch(rank_scheduled, previous_rows) for rank_scheduled in scheduled]
+        real = None
+        if len(batches) > 1:
+            batches, real, buckets = pad_ranks(
+                batches, buckets, blocks_per_rank=self.rank_blocks, block_size=self.cfg.block_size
+            )
+        output = self.runner.launch(batches, buckets)
+        if real is not None:
+            output = output._replace(
+                rows=[rows[part] for rows, part in zip(output.rows, real, strict=True)]
+            )
         now = time.perf_counter()
         compile_s = 0.0
-        for shape, seconds, from_cache in self.runner.compiled[compiled:]:
+        for shape, seconds, from_cache in output.compiled:
             compile_s += seconds
             self.stats.compile_s += seconds
             self.stats.programs_from_cache += from_cache
-            self.stats.buckets.append(shape)
             how = "loaded from the compilation cache" if from_cache else "compiled"
             self.log(f"{how} bucket {shape} in {seconds:.2f}s")
-        decodes = sum(entry.count == 1 for entry in batch)
+        self.stats.compiled += output.compiled
+        entries = [entry for rank_scheduled in scheduled for entry in rank_scheduled]
+        decodes = sum(entry.is_decode for entry in entries)
         interval = 0.0 if self._last_launch is None else now - self._last_launch - compile_s
         self.stats.step_records.append(
             StepRecord(
                 decodes,
-                sum(entry.count for entry in batch) - decodes,
-                launched.shape,
+                sum(entry.count for entry in entries) - decodes,
+                output.shape,
                 now - started - compile_s,
                 interval,
             )
         )
         self._last_launch = now
-        return launched
+        return InFlight(scheduled, output)
 
-    def _collect(self, launched: Launched, t_start: float) -> None:
+    def _collect(self, in_flight: InFlight, t_start: float) -> None:
         """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
-        tokens = np.asarray(launched.tokens)[launched.rows]
-        ranks = launched.rows // self.runner.max_rows  # each DP rank has max_rows rows
+        tokens = np.asarray(in_flight.output.tokens)
         now = time.perf_counter()
-        for entry, token, rank in zip(launched.batch, tokens, ranks, strict=True):
-            req = entry.request
-            if not entry.samples:
-                continue
-            req.num_pending -= 1
-            if req.finished:  # ended by an EOS found after this step was launched
-                continue
-            req.output_ids.append(int(token))
-            req.token_times.append(now)
-            self.stats.generated_tokens += 1
-            if self.stats.first_token_s is None:
-                self.stats.first_token_s = now - t_start
-            if self._done(req):
-                self.schedulers[rank].finish(req)
+        for rank, (batch, rows) in enumerate(
+            zip(in_flight.scheduled, in_flight.output.rows, strict=True)
+        ):
+            for entry, row in zip(batch, rows, strict=True):
+                req = entry.request
+                if not entry.samples:
+                    continue
+                req.num_pending -= 1
+                if req.finished:  # ended by an EOS found after this step was launched
+                    continue
+                req.output_ids.append(int(tokens[rank * self.max_rows + row]))
+                req.token_times.append(now)
+                self.stats.generated_tokens += 1
+                if self.stats.first_token_s is None:
+                    self.stats.first_token_s = now - t_start
+                if self._done(req):
+                    self.schedulers[rank].finish(req)
 
     def step_shapes(self) -> list[StepShape]:
         """Every program this engine can run (its buckets fix every axis)."""
@@ -391,8 +425,8 @@ class Engine:
                     raise CacheFullError("too few free cache blocks to precompile")
                 batch.append(Scheduled(req, context_len, query_len, True))
             launched = self._launch([batch, *idle], None, time.perf_counter(), buckets)
-            launched.tokens.block_until_ready()
-            return launched.shape
+            launched.output.tokens.block_until_ready()
+            return launched.output.shape
         finally:
             self._last_launch = None
             for entry in batch:
@@ -411,7 +445,7 @@ class Engine:
             schedulers[rank].add(req)
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
-        in_flight: Launched | None = None
+        in_flight: InFlight | None = None
         while any(s.has_work for s in schedulers) or in_flight is not None:
             started = time.perf_counter()
             batches = [s.schedule() if s.has_work else [] for s in schedulers]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,8 @@ from jax.sharding import Mesh
 
 from mla_jax import kernels
 from mla_jax.cache.metadata import AttentionMetadata, Buckets, StepShape, build_metadata
+from mla_jax.engine.batch import StepBatch
 from mla_jax.engine.compilation import cache_hits
-from mla_jax.engine.scheduler import Request, Scheduled
 from mla_jax.kernels.fp8 import Fp8Cache
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.parallel import sharding
@@ -40,6 +41,7 @@ class StepLayout:
     shapes: tuple[tuple[int, ...], ...]  # metadata arrays, then ids, source, temperatures, step
 
     def unpack(self, packed: jax.Array) -> tuple[AttentionMetadata, ...]:
+        """``(metadata, input_ids, source, temperature_bits, step)`` from the buffer."""
         arrays, offset = [], 0
         for shape in self.shapes:
             size = int(np.prod(shape))
@@ -50,25 +52,37 @@ class StepLayout:
         return (metadata, *arrays[num_metadata:])
 
 
-@dataclasses.dataclass
-class Launched:
-    """A step in flight: its requests and the device array of its sampled tokens."""
+class Compiled(NamedTuple):
+    """A program the runner compiled (or loaded from the persistent compilation cache)."""
 
-    batch: list[Scheduled]
-    rows: np.ndarray  # row of each request in ``tokens``
-    tokens: jax.Array  # [max_rows] int32
     shape: StepShape
+    seconds: float
+    from_cache: bool
 
 
-# XLA options for the step programs on GPUs, from a per-kernel breakdown of a decode step
-# (H200, 2026-11-22, scripts/bench_serve.py; V2-Lite-shaped model, 64 x 512 / 256 x 4096):
-# - no Triton gemm fusions: at small batches they padded the MLP weights (a 0.76 ms pad
-#   fusion a step) and copied each layer's weights out of the stacked array (1.7 ms of
-#   memcpy); cuBLAS reads them in place;
-# - no dot merging: it concatenated gate/up and the q/kv projections' weights every step
-#   (1.35 ms) to make one matmul of two;
+class StepOutput(NamedTuple):
+    """A step started on the device: where each rank's requests find their sampled tokens.
+
+    rows: each DP rank's ``[R]`` rows (in its batch's order) of its sampled tokens; rank r's
+      tokens are ``tokens[r * max_rows : (r + 1) * max_rows]``.
+    tokens: ``[dp * max_rows]`` int32 on the device, not waited for.
+    shape: the step's program shape.
+    compiled: the programs this step compiled first.
+    """
+
+    rows: list[np.ndarray]
+    tokens: jax.Array
+    shape: StepShape
+    compiled: list[Compiled]
+
+
+# XLA options for the step programs on GPUs (scripts/bench_serve.py's per-kernel breakdown
+# shows what each removes; BENCHMARKS.md has the figures):
+# - no Triton gemm fusions: at small batches they pad the MLP weights and copy each layer's
+#   weights out of the stacked array every step; cuBLAS reads them in place;
+# - no dot merging: it concatenates gate/up and the q/kv projections' weights every step to
+#   make one matmul of two;
 # - dynamic-slice fusion: cuBLAS reads a layer's weights straight out of the stacked array.
-# Together: device time 6.4 -> 3.7 ms and 15.9 -> 12.4 ms.
 GPU_COMPILER_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_dot_merger_threshold_mb": 0,
@@ -114,7 +128,7 @@ class ModelRunner:
         num_heads = model.cfg.mla.num_heads  # per rank: the kernels see a rank's heads
         kernel_set = kernels.select(impl)
         if mesh is not None:
-            num_heads //= mesh.shape[sharding.AXIS]
+            num_heads //= mesh.shape[sharding.TENSOR_AXIS]
             shardings = sharding.param_shardings(state, mesh)
             self.params = [
                 jax.device_put(param, placement)
@@ -123,31 +137,29 @@ class ModelRunner:
             self.key = jax.device_put(self.key, sharding.replicated(mesh))
             # The cache comes placed (the engine makes it in place: split over the DP ranks
             # it may not fit one device whole).
-            self.tokens = jax.device_put(self.tokens, sharding.over_ranks(mesh))
+            self.tokens = jax.device_put(self.tokens, sharding.per_data_rank(mesh))
             impl = sharding.sharded_kernels(kernel_set, mesh)
         self.cache = cache
         self.block_size = block_size
         self.num_blocks = cache.shape[1] // ranks  # a rank's (all of them without DP)
-        self.scratch_blocks = scratch_blocks(block_size, ranks)
         self.workspace_size = workspace_size
         self.max_rows = max_rows  # sampled-token rows of the largest step, per DP rank
         self.kernel_plan = kernels.KernelPlan.for_impl(kernel_set, num_heads)
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
-        self.compiled: list[tuple[StepShape, float, bool]] = []  # shape, seconds, from cache
 
         def forward(layout: StepLayout, params, cache, packed, previous_tokens, key):
-            md, input_ids, source, temperature_bits, step = layout.unpack(packed)
+            metadata, input_ids, source, temperature_bits, step = layout.unpack(packed)
             # Pending tokens (sampled by the previous step, unread by the host) come from it.
             input_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], input_ids)
             model = nnx.merge(graphdef, jax.tree.unflatten(param_tree, params))
-            logits, cache = model(input_ids, cache, md, impl=impl)
+            logits, cache = model(input_ids, cache, metadata, impl=impl)
             temperatures = jax.lax.bitcast_convert_type(temperature_bits, jnp.float32)
             tokens = _sample(logits, temperatures, jax.random.fold_in(key, step[0]))
             return jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens), cache
 
         if ranks > 1:
-            by_rank = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
+            split_rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
             by_block = jax.sharding.PartitionSpec(None, sharding.DATA_AXIS)
             replicated = jax.sharding.PartitionSpec()
 
@@ -161,8 +173,8 @@ class ModelRunner:
                 return jax.shard_map(
                     lambda *args: rank_forward(layout, *args),
                     mesh=mesh,
-                    in_specs=(replicated, by_block, by_rank, by_rank, replicated),
-                    out_specs=(by_rank, by_block),
+                    in_specs=(replicated, by_block, split_rows, split_rows, replicated),
+                    out_specs=(split_rows, by_block),
                     axis_names={sharding.DATA_AXIS},  # "tp" stays with the partitioner
                     check_vma=False,
                 )(params, cache, packed, tokens, key)
@@ -171,142 +183,78 @@ class ModelRunner:
         else:
             self._forward = forward
 
-    def _common_buckets(self, batches: Sequence[Sequence[Scheduled]], buckets: Buckets) -> Buckets:
-        """``buckets`` with one-entry decode and prefill-token ladders, the sizes the rank
-        with the most decodes and the one with the most prefill tokens need: every rank's
-        step takes the same shape (its other axes are fixed: the engine checks it)."""
-        decodes = max(sum(entry.count == 1 for entry in batch) for batch in batches)
-        tokens = max(sum(entry.count for entry in batch if entry.count > 1) for batch in batches)
-        return dataclasses.replace(
-            buckets,
-            decode_buckets=(buckets.decodes(max(decodes, 1)),),
-            token_buckets=(buckets.prefill_tokens(max(tokens, 2)),),
-        )
-
-    def _padded(
-        self, batch: Sequence[Scheduled], *, decodes: bool, prefills: bool
-    ) -> tuple[list, slice]:
-        """``batch`` with a padding decode in front if it has none and the step has
-        (``decodes``), a padding prompt at the end likewise (``prefills``), each in this
-        rank's scratch blocks; and the slice of the real requests in it."""
-        scratch = np.arange(self.num_blocks - self.scratch_blocks, self.num_blocks, dtype=np.int32)
-        own_decodes = any(entry.count == 1 for entry in batch)
-        own_prefills = any(entry.count > 1 for entry in batch)
-        front = [] if own_decodes or not decodes else [_padding(scratch[:1], 1)]
-        back = [] if own_prefills or not prefills else [_padding(scratch[1:], 2)]
-        return [*front, *batch, *back], slice(len(front), len(front) + len(batch))
-
     def prepare(
-        self,
-        batches: Sequence[Sequence[Scheduled]],
-        previous: Launched | None,
-        buckets: Buckets,
-    ) -> tuple[StepLayout, np.ndarray, np.ndarray, StepShape]:
-        """Host side of a step: the packed buffer (``[len]``, or ``[dp, len]`` with data
-        parallelism), its layout, each request's row of the sampled tokens (in the order of
-        the batches, concatenated: rank r's rows are offset by ``r * max_rows``) and the
-        step's shape. ``batches``: each DP rank's requests (one batch without DP);
-        ``previous``: the step whose tokens are still pending."""
+        self, batches: Sequence[StepBatch], buckets: Buckets
+    ) -> tuple[StepLayout, np.ndarray, list[np.ndarray], StepShape]:
+        """Host side of a step: its layout, the packed buffer (``[len]``, or ``[dp, len]``
+        with data parallelism), each rank's rows of the sampled tokens and the step's shape.
+        ``batches``: each DP rank's batch (one without DP), all of one shape under
+        ``buckets`` (``batch.pad_ranks`` makes them so)."""
         if len(batches) != self.data_parallel:
             raise ValueError(f"{len(batches)} batches for {self.data_parallel} DP ranks")
         self.step_count += 1
-        previous_rows = {}
-        if previous is not None:
-            previous_rows = {
-                id(entry.request): row % self.max_rows
-                for entry, row in zip(previous.batch, previous.rows, strict=True)
-                if entry.samples
-            }
-        if self.data_parallel == 1:
-            return self._prepare_rank(batches[0], previous_rows, buckets)
-        common = self._common_buckets(batches, buckets)
-        entries = [entry for batch in batches for entry in batch]
-        decodes = any(entry.count == 1 for entry in entries)
-        prefills = any(entry.count > 1 for entry in entries)
-        layouts, packed, rows, shapes = set(), [], [], set()
-        for rank, batch in enumerate(batches):
-            padded, real = self._padded(batch, decodes=decodes, prefills=prefills)
-            layout, rank_packed, rank_rows, shape = self._prepare_rank(
-                padded, previous_rows, common
-            )
-            layouts.add(layout)
-            shapes.add(shape)
-            packed.append(rank_packed)
-            rows.append(rank_rows[real] + rank * self.max_rows)
-        if len(layouts) != 1:  # the buckets fix every axis: a bug if they differ
-            raise RuntimeError(f"the DP ranks' steps differ in shape: {sorted(shapes)}")
-        return layouts.pop(), np.stack(packed), np.concatenate(rows), shapes.pop()
+        prepared = [self._prepare_rank(batch, buckets) for batch in batches]
+        layouts = {layout for layout, *_ in prepared}
+        if len(layouts) != 1:  # the engine pads the ranks to one shape: a bug if they differ
+            shapes = sorted({shape for *_, shape in prepared})
+            raise RuntimeError(f"the DP ranks' steps differ in shape: {shapes}")
+        packed = [rank_packed for _, rank_packed, _, _ in prepared]
+        rows = [rank_rows for _, _, rank_rows, _ in prepared]
+        packed = packed[0] if self.data_parallel == 1 else np.stack(packed)
+        return layouts.pop(), packed, rows, prepared[0][3]
 
     def _prepare_rank(
-        self, batch: Sequence[Scheduled], previous_rows: dict[int, int], buckets: Buckets
+        self, batch: StepBatch, buckets: Buckets
     ) -> tuple[StepLayout, np.ndarray, np.ndarray, StepShape]:
-        """One rank's step: its packed buffer, layout, request rows and shape."""
-        width = max(len(entry.request.block_ids) for entry in batch)
-        block_table = np.zeros((len(batch), width), np.int32)
-        context_lens = np.empty(len(batch), np.int32)
-        query_lens = np.empty(len(batch), np.int32)
-        temperatures = np.empty(len(batch), np.float32)
-        ids: list[int] = []
-        pending: list[tuple[int, int]] = []  # (token index in the step, previous step's row)
-        for i, (req, start, count, _) in enumerate(batch):
-            block_table[i, : len(req.block_ids)] = req.block_ids
-            context_lens[i], query_lens[i] = start, count
-            temperatures[i] = req.temperature
-            chunk, offset = req.token_ids(start, start + count)
-            if offset is not None:
-                pending.append((len(ids) + offset, previous_rows[id(req)]))
-            ids += chunk
-        md = build_metadata(
-            context_lens,
-            query_lens,
-            block_table,
+        """One rank's step: its layout, packed buffer, request rows and shape."""
+        metadata = build_metadata(
+            batch.context_lens,
+            batch.query_lens,
+            batch.block_table,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             workspace_size=self.workspace_size,
             buckets=buckets,
             kernel_plan=self.kernel_plan,
         )
-        num_tokens = md.positions.shape[0]
-        rows = md.request_rows()
-        token_rows = md.token_rows()
+        num_tokens = metadata.positions.shape[0]
+        rows = metadata.request_rows()
+        token_rows = metadata.token_rows()
         input_ids = np.zeros(num_tokens, np.int32)
-        input_ids[token_rows] = ids
+        input_ids[token_rows] = batch.input_ids
         source = np.full(num_tokens, -1, np.int32)
-        for index, row in pending:
-            source[token_rows[index]] = row
-        temperature_rows = np.zeros(md.logits_indices.shape[0], np.float32)
-        temperature_rows[rows] = temperatures
-        leaves, treedef = jax.tree.flatten(md)
+        source[token_rows] = batch.source
+        temperatures = np.zeros(metadata.logits_indices.shape[0], np.float32)
+        temperatures[rows] = batch.temperatures
+        leaves, treedef = jax.tree.flatten(metadata)
         arrays = [
             *leaves,
             input_ids,
             source,
-            temperature_rows.view(np.int32),
+            temperatures.view(np.int32),
             np.array([self.step_count], np.int32),
         ]
         layout = StepLayout(treedef, tuple(a.shape for a in arrays))
         packed = np.concatenate([np.asarray(a, np.int32).ravel() for a in arrays])
-        return layout, packed, rows, md.step_shape()
+        return layout, packed, rows, metadata.step_shape()
 
-    def launch(
-        self,
-        batches: Sequence[Sequence[Scheduled]],
-        previous: Launched | None,
-        buckets: Buckets,
-    ) -> Launched:
-        """Builds the step (``batches``: each DP rank's requests) and starts it on the
-        device; returns without waiting for it."""
-        layout, packed, rows, shape = self.prepare(batches, previous, buckets)
-        program = self.programs.get(layout) or self._compile(layout, packed, shape)
+    def launch(self, batches: Sequence[StepBatch], buckets: Buckets) -> StepOutput:
+        """Builds the step (``batches``: each DP rank's) and starts it on the device;
+        returns without waiting for it."""
+        layout, packed, rows, shape = self.prepare(batches, buckets)
+        compiled = []
+        program = self.programs.get(layout)
+        if program is None:
+            program, record = self._compile(layout, packed, shape)
+            compiled.append(record)
         self.tokens, self.cache = program(self.params, self.cache, packed, self.tokens, self.key)
-        batch = [entry for rank_batch in batches for entry in rank_batch]
-        return Launched(batch, rows, self.tokens, shape)
+        return StepOutput(rows, self.tokens, shape, compiled)
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()
         shardings = {}
         if self.mesh is not None:  # parameters, cache and sampled tokens as placed
-            inputs = sharding.over_ranks(self.mesh)  # the packed buffers: a row per DP rank
+            inputs = sharding.per_data_rank(self.mesh)  # the packed buffers: a row per DP rank
             shardings = dict(
                 in_shardings=(
                     [p.sharding for p in self.params],
@@ -322,18 +270,4 @@ class ModelRunner:
         options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
         program = lowered.compile(compiler_options=options)
         self.programs[layout] = program
-        self.compiled.append((shape, time.perf_counter() - start, cache_hits() > hits))
-        return program
-
-
-def scratch_blocks(block_size: int, data_parallel: int) -> int:
-    """Blocks at the end of each DP rank's cache that no request gets: a rank's padding
-    requests (a decode, a 2-token prompt) write there when another rank's step has a part it
-    lacks. None without data parallelism."""
-    return 0 if data_parallel == 1 else 1 + -(-2 // block_size)
-
-
-def _padding(block_ids: np.ndarray, count: int) -> Scheduled:
-    """A padding request of ``count`` tokens from position 0 in ``block_ids``: a decode (1)
-    or a prompt (2); greedy, its sampled token never read."""
-    return Scheduled(Request([0] * count, 1, block_ids=block_ids), 0, count, False)
+        return program, Compiled(shape, time.perf_counter() - start, cache_hits() > hits)

@@ -1,4 +1,4 @@
-"""Requests and the scheduler: which tokens of which requests each step runs.
+"""The scheduler: which tokens of which requests each step runs.
 
 Each step takes every running decode (one token each) and then fills the rest of the token
 budget with up to ``prefill_slots`` prompt chunks, so long prompts span steps and come back
@@ -8,56 +8,18 @@ its prompt and the tokens it had generated, as vLLM does. A request waits while 
 chunk finds no free block.
 
 A step is scheduled before the previous one's sampled tokens reach the host (the engine
-overlaps them): a request's sampled but unread token is *pending*. It counts as one of the
-request's tokens, and the device feeds it to the next step itself.
+overlaps them): a request's sampled but unread token is *pending* (``request.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
 from mla_jax.cache.latent_cache import BlockAllocator
-
-
-@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields hold
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    ignore_eos: bool = False
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    num_computed: int = 0  # tokens in the cache, or being written by a step in flight
-    num_pending: int = 0  # tokens sampled by steps whose results the host has not read
-    num_preemptions: int = 0  # times its blocks were taken and its tokens recomputed
-    finished: bool = False
-    token_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter, per output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
-
-    @property
-    def wants_tokens(self) -> bool:
-        """Not finished, and its known and pending tokens leave room for another."""
-        return not self.finished and len(self.output_ids) + self.num_pending < self.max_new_tokens
-
-    def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
-        """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the
-        pending token (whose id is only on the device, given here as 0), if they hold it.
-        Slices only (no copy of a whole prompt: this runs for every request every step)."""
-        prompt_len = len(self.prompt_ids)
-        known = prompt_len + len(self.output_ids)
-        ids = self.prompt_ids[start:stop] if start < prompt_len else []
-        if stop > prompt_len:
-            ids += self.output_ids[max(start - prompt_len, 0) : stop - prompt_len]
-        if stop <= known:
-            return ids, None
-        return ids + [0] * (stop - max(start, known)), known - start
+from mla_jax.engine.request import Request
 
 
 class Scheduled(NamedTuple):
@@ -69,8 +31,16 @@ class Scheduled(NamedTuple):
     count: int
     samples: bool
 
+    @property
+    def is_decode(self) -> bool:
+        """One token: a decode (a 1-token prompt chunk runs as one too)."""
+        return self.count == 1
+
 
 class Scheduler:
+    """One DP rank's queues (``waiting``, ``running``) over its block allocator; ``schedule``
+    picks each step's requests and grows their blocks."""
+
     def __init__(
         self,
         allocator: BlockAllocator,
@@ -90,10 +60,12 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
+        """Queues ``req`` behind the waiting ones."""
         self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
+        """Some request waits or runs."""
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request) -> None:
@@ -117,6 +89,7 @@ class Scheduler:
         return True
 
     def release(self, req: Request) -> None:
+        """Gives ``req``'s blocks back to the allocator."""
         self.allocator.free(req.block_ids.tolist())
         req.block_ids = np.zeros(0, np.int32)
 
@@ -141,7 +114,6 @@ class Scheduler:
                     break
             self.release(victim)
             victim.num_computed = 0
-            victim.num_preemptions += 1
             self.preemptions += 1
             preempted.add(victim)
             waiting.appendleft(victim)

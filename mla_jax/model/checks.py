@@ -21,6 +21,7 @@ CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def check_hidden(cfg: MLAConfig, x: jax.Array) -> None:
+    """``x`` is ``[T, H]`` hidden states of the layer's width."""
     if x.ndim != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(
             f"x must be [tokens, hidden_size={cfg.hidden_size}], got shape {tuple(x.shape)}"

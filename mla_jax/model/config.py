@@ -62,7 +62,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-    """Dimensions of one MLA layer (symbols of DESIGN.md in the comments)."""
+    """Dimensions of one MLA layer (symbols of the project's DESIGN.md in the comments)."""
 
     hidden_size: int  # H
     num_heads: int  # N
@@ -95,6 +95,7 @@ class MLAConfig:
 
     @property
     def qk_head_dim(self) -> int:
+        """P + R: a prefill head's q/k width."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
@@ -269,6 +270,7 @@ class ModelConfig:
         return runs
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Layer ``layer`` (from 0) has routed experts instead of a dense MLP."""
         return (
             self.n_routed_experts is not None
             and layer >= self.first_k_dense_replace
@@ -571,8 +573,42 @@ PRESETS: dict[str, MLAConfig] = {
 }
 
 
+# The routed-expert layers of the published models (benchmarks and tests build on them).
+MOE_PRESETS: dict[str, MoEConfig] = {
+    "deepseek-v2-lite": MoEConfig(
+        hidden_size=2048,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_shared_experts=2,
+        scoring_func="softmax",
+        topk_method="greedy",
+    ),
+    "deepseek-v3": MoEConfig(
+        hidden_size=7168,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+}
+
+
 def preset(name: str) -> MLAConfig:
     """MLA dimensions of a published model: 'deepseek-v2', 'deepseek-v2-lite', 'deepseek-v3'."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def moe_preset(name: str) -> MoEConfig:
+    """Routed-expert layer of a published model: 'deepseek-v2-lite', 'deepseek-v3'."""
+    if name not in MOE_PRESETS:
+        raise ConfigError(f"unknown MoE preset {name!r}; choose one of {sorted(MOE_PRESETS)}")
+    return MOE_PRESETS[name]

@@ -27,6 +27,8 @@ _ROUTED_EXPERTS = nnx.PathContains("experts")
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm MLA attention then a pre-norm MLP or MoE, each added to the residual."""
+
     def __init__(self, cfg: ModelConfig, *, moe: bool, param_dtype, rngs: nnx.Rngs):
         eps = cfg.mla.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
@@ -39,10 +41,10 @@ class DecoderLayer(nnx.Module):
                 cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
             )
 
-    def __call__(self, x, cache, md: AttentionMetadata, *, layer, layer_in_run, impl: str):
+    def __call__(self, x, cache, metadata: AttentionMetadata, *, layer, layer_in_run, impl: str):
         """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
         in its run (its routed experts, which the scan passes for the whole run)."""
-        h, cache = self.self_attn(self.input_layernorm(x), cache, md, layer=layer, impl=impl)
+        h, cache = self.self_attn(self.input_layernorm(x), cache, metadata, layer=layer, impl=impl)
         x = x + h
         h = self.post_attention_layernorm(x)
         moe = isinstance(self.mlp, MoE)
@@ -86,19 +88,21 @@ class DeepseekModel(nnx.Module):
         self,
         input_ids: jax.Array,
         cache: jax.Array | Fp8Cache,
-        md: AttentionMetadata,
+        metadata: AttentionMetadata,
         *,
         impl: str = "auto",
     ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
         Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
-        ``md.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
+        ``metadata.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
         if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
             raise ValueError(
                 f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
                 "block_size, width]"
             )
-        md = jax.tree.map(jnp.asarray, md)  # NumPy arrays cannot be indexed by the scan's tracers
+        metadata = jax.tree.map(
+            jnp.asarray, metadata
+        )  # NumPy arrays cannot be indexed by the scan's tracers
         x = self.embed_tokens(input_ids)
         for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
             # The routed experts stay whole (indexed in place by the grouped matmul); the
@@ -109,14 +113,19 @@ class DeepseekModel(nnx.Module):
                 x, cache = carry
                 layer_in_run, layer_state = scanned
                 x, cache = nnx.merge(graphdef, experts, layer_state)(
-                    x, cache, md, layer=first + layer_in_run, layer_in_run=layer_in_run, impl=impl
+                    x,
+                    cache,
+                    metadata,
+                    layer=first + layer_in_run,
+                    layer_in_run=layer_in_run,
+                    impl=impl,
                 )
                 return (x, cache), None
 
             (x, cache), _ = jax.lax.scan(
                 layer_step, (x, cache), (jnp.arange(count, dtype=jnp.int32), state)
             )
-        x = self.norm(x[md.logits_indices])
+        x = self.norm(x[metadata.logits_indices])
         if self.cfg.tie_word_embeddings:
             embedding = self.embed_tokens.embedding[...]
             logits = jnp.dot(x, embedding.T, precision=matmul_precision(embedding.dtype))

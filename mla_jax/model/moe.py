@@ -122,8 +122,8 @@ def routed_experts(
         the dtype the matmuls run in (x is cast to it). With ``layer``, every layer's:
         ``[L, E, H, 2I]`` and ``[L, E, I, H]``.
       layer: which of the stacked layers' experts to use (may be traced). The grouped matmul
-        reads them in place: slicing a layer's experts out under a scan copies them, which
-        at DeepSeek-V2-Lite's size took 20 ms a decode step (H200).
+        reads them in place: slicing a layer's experts out under a scan would copy every
+        expert of the layer each step, most of a decode step's time.
 
     Returns:
       ``[T, H]`` float32.

@@ -45,13 +45,13 @@ from jax.sharding import PartitionSpec as P
 from mla_jax import kernels
 from mla_jax.model.config import ModelConfig
 
-AXIS = "tp"
+TENSOR_AXIS = "tp"
 DATA_AXIS = "dp"
 
 # Parameter path suffix -> how its own (trailing) axes split; stacked layers' leading layer
 # axis is never split. Paths not listed are replicated.
-_COLUMNS = (None, AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
-_ROWS = (AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_COLUMNS = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
+_ROWS = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
 _RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("self_attn", "q_proj", "kernel"), _COLUMNS),
     (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
@@ -62,8 +62,8 @@ _RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("down_proj", "kernel"), _ROWS),
     (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
     (("lm_head", "kernel"), _COLUMNS),
-    (("experts", "gate_up_proj"), (AXIS, None, None)),  # [E, H, 2I]: by expert
-    (("experts", "down_proj"), (AXIS, None, None)),  # [E, I, H]
+    (("experts", "gate_up_proj"), (TENSOR_AXIS, None, None)),  # [E, H, 2I]: by expert
+    (("experts", "down_proj"), (TENSOR_AXIS, None, None)),  # [E, I, H]
 )
 
 
@@ -80,7 +80,7 @@ def make_mesh(
                 f"tensor_parallel={tensor_parallel} needs that many devices; "
                 f"{len(devices)} are available ({devices[0].platform})"
             )
-        return Mesh(np.array(devices[:tensor_parallel]), (AXIS,))
+        return Mesh(np.array(devices[:tensor_parallel]), (TENSOR_AXIS,))
     needed = data_parallel * tensor_parallel
     if not 1 <= needed <= len(devices):
         raise ValueError(
@@ -88,7 +88,7 @@ def make_mesh(
             f"devices; {len(devices)} are available ({devices[0].platform})"
         )
     grid = np.array(devices[:needed]).reshape(data_parallel, tensor_parallel)
-    return Mesh(grid, (DATA_AXIS, AXIS))
+    return Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
 
 
 def data_parallel(mesh: Mesh | None) -> int:
@@ -156,19 +156,17 @@ def placement(mesh: Mesh):
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy on every device of ``mesh``."""
     return NamedSharding(mesh, P())
 
 
-def by_rank(mesh: Mesh, axis: int = 0) -> NamedSharding:
-    """Split on ``axis`` across the DP ranks (each rank's part of the cache, of a step's
-    packed buffers, of its sampled tokens), replicated over ``"tp"``."""
-    return NamedSharding(mesh, P(*(None,) * axis, DATA_AXIS))
-
-
-def over_ranks(mesh: Mesh, axis: int = 0) -> NamedSharding:
+def per_data_rank(mesh: Mesh, axis: int = 0) -> NamedSharding:
     """Per-rank data (the cache on its block ``axis``, a step's packed buffers, the sampled
-    tokens): split over the DP ranks where there are several, else replicated."""
-    return by_rank(mesh, axis) if data_parallel(mesh) > 1 else replicated(mesh)
+    tokens): split on ``axis`` over the DP ranks where there are several (replicated over
+    ``"tp"``), else replicated."""
+    if data_parallel(mesh) == 1:
+        return replicated(mesh)
+    return NamedSharding(mesh, P(*(None,) * axis, DATA_AXIS))
 
 
 def _heads_mesh(mesh: Mesh):
@@ -182,7 +180,7 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
     """``function`` under ``shard_map``: its first ``head_args`` arguments (``[T, N, ...]``)
     split by heads (axis 1), the rest of its ``num_args`` replicated; each output split by
     heads."""
-    heads = P(None, AXIS)
+    heads = P(None, TENSOR_AXIS)
 
     def by_heads(*args):
         return jax.shard_map(
@@ -190,7 +188,7 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
             mesh=_heads_mesh(mesh),
             in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
             out_specs=(heads,) * num_outputs,
-            axis_names={AXIS},
+            axis_names={TENSOR_AXIS},
             check_vma=False,  # Pallas calls carry no replication information
         )(*args)
 
@@ -211,7 +209,7 @@ def _by_experts(grouped_matmul, mesh: Mesh):
 
     def local(lhs, stacked, group_sizes, layer):
         num_local = stacked.shape[1]
-        first = jax.lax.axis_index(AXIS) * num_local
+        first = jax.lax.axis_index(TENSOR_AXIS) * num_local
         expert = jnp.arange(group_sizes.shape[0])
         start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
@@ -231,9 +229,9 @@ def _by_experts(grouped_matmul, mesh: Mesh):
         run = jax.shard_map(
             local,
             mesh=_heads_mesh(mesh),
-            in_specs=(P(), P(None, AXIS), P(), P()),
-            out_specs=P(AXIS),
-            axis_names={AXIS},
+            in_specs=(P(), P(None, TENSOR_AXIS), P(), P()),
+            out_specs=P(TENSOR_AXIS),
+            axis_names={TENSOR_AXIS},
             check_vma=False,
         )
         return run(lhs, stacked, group_sizes, layer).sum(axis=0)

@@ -17,13 +17,13 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+from fp8_checkpoint import quantize
 
 from mla_jax.checkpoint.fp8_weights import (
     FP8,
     FP8BlockQuantization,
     dequantize,
     parse_quantization_config,
-    quantize,
     read_safetensors,
     scale_name,
 )

@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 from mla_jax.cache.latent_cache import init_cache  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
 from mla_jax.checkpoint.loader import load_model  # noqa: E402
+from mla_jax.engine.batch import build_batch  # noqa: E402
 from mla_jax.engine.engine import Engine, EngineConfig, Request  # noqa: E402
 
 COMMON = dict(
@@ -212,9 +213,10 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path
     """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
     block scales (blocks of 16 x 8, so edge blocks are partial) loads dequantized: logits
     equal transformers' run on the dequantized weights."""
+    from fp8_checkpoint import quantize
     from safetensors.torch import load_file, save_file
 
-    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization, dequantize, quantize
+    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization, dequantize
 
     cls, cfg, _ = _v3_moe()
     torch.manual_seed(int(rng.integers(2**31)))
@@ -270,7 +272,7 @@ def _teacher_forced_logits(model, cfg: EngineConfig, prompts, forced) -> list[np
     ``forced`` instead of its own samples (each step is read before the next is
     scheduled, so no token is pending)."""
     engine = Engine(model, cfg, log=lambda _: None)
-    scheduler, runner = engine.scheduler, engine.runner
+    scheduler, runner = engine.schedulers[0], engine.runner
 
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
     def forward(layout, cache, packed):
@@ -284,7 +286,7 @@ def _teacher_forced_logits(model, cfg: EngineConfig, prompts, forced) -> list[np
     cache = runner.cache
     while scheduler.has_work:
         batch = scheduler.schedule()
-        layout, packed, rows, _ = runner.prepare([batch], None, engine.buckets)
+        layout, packed, (rows,), _ = runner.prepare([build_batch(batch, {})], engine.buckets)
         logits, cache = forward(layout, cache, packed)
         for entry, row in zip(batch, np.asarray(logits)[rows], strict=True):
             req = entry.request

@@ -20,7 +20,7 @@ import pytest
 from conftest import rel_err
 from flax import nnx
 
-from mla_jax.model.config import ConfigError, MoEConfig, config_from_dict
+from mla_jax.model.config import ConfigError, MoEConfig, config_from_dict, moe_preset
 from mla_jax.model.moe import MoE, hf_expert_names, hf_expert_slice, route, routed_experts
 
 torch = pytest.importorskip("torch")
@@ -252,15 +252,7 @@ V2_LITE = dict(
 
 def test_moe_config_parsed():
     cfg = config_from_dict(V2_LITE)
-    assert cfg.moe == MoEConfig(
-        hidden_size=2048,
-        n_routed_experts=64,
-        num_experts_per_tok=6,
-        moe_intermediate_size=1408,
-        n_shared_experts=2,
-        scoring_func="softmax",
-        topk_method="greedy",
-    )
+    assert cfg.moe == moe_preset("deepseek-v2-lite")
     v3 = dict(V2_LITE, model_type="deepseek_v3", scoring_func="sigmoid", topk_method="noaux_tc")
     v3.update(n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
     moe = config_from_dict(v3).moe

@@ -108,18 +108,18 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
     engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
     runner = engine.runner
     per_rank = []
-    launch = runner.launch
+    launch = engine._launch
 
-    def recording_launch(batches, previous, buckets):
+    def recording_launch(scheduled, *args):
         per_rank.append(
             [
-                [sum(e.count == 1 for e in batch), sum(e.count > 1 for e in batch)]
-                for batch in batches
+                [sum(e.is_decode for e in batch), sum(not e.is_decode for e in batch)]
+                for batch in scheduled
             ]
         )
-        return launch(batches, previous, buckets)
+        return launch(scheduled, *args)
 
-    runner.launch = recording_launch
+    engine._launch = recording_launch
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     engine.generate(requests)
     return {

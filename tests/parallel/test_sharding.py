@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -90,13 +91,18 @@ def multi_device(tmp_path_factory):
         f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
     )
     env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
+    # faulthandler: a crash of the child (a signal) prints its Python stack to stderr.
+    script = os.path.join(tests, "multi_device.py")
     done = subprocess.run(
-        [sys.executable, os.path.join(tests, "multi_device.py"), root / "job.json", root / "out"],
+        [sys.executable, "-X", "faulthandler", script, root / "job.json", root / "out"],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+    if done.returncode < 0:
+        signal_name = signal.Signals(-done.returncode).name
+        pytest.fail(f"multi_device.py died of {signal_name}:\n{done.stderr[-6000:]}")
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((root / "out").read_text()), {**expected, "dp": dp_expected}
 

@@ -1,0 +1,144 @@
+"""A step's requests as the arrays the model runner takes: the engine's side of the boundary.
+
+The scheduler hands out ``Scheduled`` chunks of requests; ``build_batch`` turns one DP rank's
+chunks into a ``StepBatch`` of NumPy arrays (no request objects cross to the runner). With
+data parallelism every rank's step must have one shape, so ``pad_ranks`` gives a rank that
+lacks a part another rank has (decodes, prompt chunks) a padding request of that part, run
+in the rank's scratch blocks: cache blocks at the end of each rank's share that the
+scheduler never hands out (``scratch_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from mla_jax.cache.metadata import Buckets
+from mla_jax.engine.scheduler import Scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One DP rank's step, decodes first.
+
+    context_lens: ``[R]`` int32 tokens of each request already in the cache.
+    query_lens: ``[R]`` int32 tokens it runs this step (1: a decode).
+    block_table: ``[R, W]`` int32 cache block ids of each request (the rank's own ids).
+    input_ids: ``[sum(query_lens)]`` int32 the tokens, request after request; a pending
+      token (sampled by the previous step, not yet read by the host) holds 0.
+    source: ``[sum(query_lens)]`` int32 the row of the previous step's sampled tokens a
+      pending token takes on the device (a row within the rank), else -1.
+    temperatures: ``[R]`` float32 sampling temperatures (0: greedy).
+    """
+
+    context_lens: np.ndarray
+    query_lens: np.ndarray
+    block_table: np.ndarray
+    input_ids: np.ndarray
+    source: np.ndarray
+    temperatures: np.ndarray
+
+    @property
+    def is_decode(self) -> np.ndarray:
+        """``[R]`` bool: the requests that run one token."""
+        return self.query_lens == 1
+
+    @property
+    def num_decodes(self) -> int:
+        """Requests that run one token."""
+        return int(np.count_nonzero(self.is_decode))
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the prompt chunks (the requests that run more than one)."""
+        return int(self.query_lens[~self.is_decode].sum())
+
+
+def build_batch(scheduled: Sequence[Scheduled], previous_rows: Mapping[int, int]) -> StepBatch:
+    """The arrays of one rank's ``scheduled`` chunks (decodes first, as the scheduler orders
+    them). ``previous_rows``: for each request (by ``id``) with a pending token, its row in
+    the previous step's sampled tokens."""
+    num = len(scheduled)
+    width = max((len(entry.request.block_ids) for entry in scheduled), default=0)
+    block_table = np.zeros((num, width), np.int32)
+    context_lens = np.empty(num, np.int32)
+    query_lens = np.empty(num, np.int32)
+    temperatures = np.empty(num, np.float32)
+    input_ids: list[int] = []
+    source = np.full(sum(entry.count for entry in scheduled), -1, np.int32)
+    for i, (request, start, count, _) in enumerate(scheduled):
+        block_table[i, : len(request.block_ids)] = request.block_ids
+        context_lens[i], query_lens[i] = start, count
+        temperatures[i] = request.temperature
+        chunk, pending = request.token_ids(start, start + count)
+        if pending is not None:
+            source[len(input_ids) + pending] = previous_rows[id(request)]
+        input_ids += chunk
+    return StepBatch(
+        context_lens, query_lens, block_table, np.asarray(input_ids, np.int32), source, temperatures
+    )
+
+
+def scratch_blocks(block_size: int, data_parallel: int) -> int:
+    """Blocks at the end of each DP rank's cache share that no request gets: a rank's padding
+    requests (a decode, a 2-token prompt) write there. None without data parallelism."""
+    return 0 if data_parallel == 1 else 1 + -(-2 // block_size)
+
+
+def _padding(block_ids: np.ndarray, count: int) -> StepBatch:
+    """A padding request of ``count`` tokens from position 0 in ``block_ids``: a decode (1)
+    or a prompt (2); greedy, its sampled token never read."""
+    return StepBatch(
+        context_lens=np.zeros(1, np.int32),
+        query_lens=np.array([count], np.int32),
+        block_table=block_ids[None, :].astype(np.int32),
+        input_ids=np.zeros(count, np.int32),
+        source=np.full(count, -1, np.int32),
+        temperatures=np.zeros(1, np.float32),
+    )
+
+
+def _concatenate(parts: Sequence[StepBatch]) -> StepBatch:
+    width = max(part.block_table.shape[1] for part in parts)
+    return StepBatch(
+        context_lens=np.concatenate([part.context_lens for part in parts]),
+        query_lens=np.concatenate([part.query_lens for part in parts]),
+        block_table=np.concatenate(
+            [
+                np.pad(part.block_table, ((0, 0), (0, width - part.block_table.shape[1])))
+                for part in parts
+            ]
+        ),
+        input_ids=np.concatenate([part.input_ids for part in parts]),
+        source=np.concatenate([part.source for part in parts]),
+        temperatures=np.concatenate([part.temperatures for part in parts]),
+    )
+
+
+def pad_ranks(
+    batches: Sequence[StepBatch], buckets: Buckets, *, blocks_per_rank: int, block_size: int
+) -> tuple[list[StepBatch], list[slice], Buckets]:
+    """Every rank's batch given the parts any rank has (a padding decode in front, a padding
+    prompt at the end, in the rank's scratch blocks, the last of its ``blocks_per_rank``),
+    the slice of each rank's real requests in its padded batch, and ``buckets`` narrowed to
+    one decode and one prefill-token size, those of the rank with the most: every rank's
+    step then takes one shape (the other axes the engine's buckets fix)."""
+    scratch = np.arange(
+        blocks_per_rank - scratch_blocks(block_size, len(batches)), blocks_per_rank, dtype=np.int32
+    )
+    any_decodes = any(batch.num_decodes for batch in batches)
+    any_prefills = any(batch.num_prefill_tokens for batch in batches)
+    padded, real = [], []
+    for batch in batches:
+        front = [_padding(scratch[:1], 1)] if any_decodes and not batch.num_decodes else []
+        back = [_padding(scratch[1:], 2)] if any_prefills and not batch.num_prefill_tokens else []
+        padded.append(_concatenate([*front, batch, *back]))
+        real.append(slice(len(front), len(front) + len(batch.query_lens)))
+    common = dataclasses.replace(
+        buckets,
+        decode_buckets=(buckets.decodes(max(max(b.num_decodes for b in padded), 1)),),
+        token_buckets=(buckets.prefill_tokens(max(max(b.num_prefill_tokens for b in padded), 2)),),
+    )
+    return padded, real, common
