@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import kernels
 from mla_jax.cache.metadata import AttentionMetadata
 from mla_jax.kernels.fp8 import Fp8Cache
 from mla_jax.model.attention import MLAAttention
@@ -41,7 +42,9 @@ class DecoderLayer(nnx.Module):
                 cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
             )
 
-    def __call__(self, x, cache, metadata: AttentionMetadata, *, layer, layer_in_run, impl: str):
+    def __call__(
+        self, x, cache, metadata: AttentionMetadata, *, layer, layer_in_run, impl: kernels.KernelSet
+    ):
         """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
         in its run (its routed experts, which the scan passes for the whole run)."""
         h, cache = self.self_attn(self.input_layernorm(x), cache, metadata, layer=layer, impl=impl)
@@ -90,7 +93,7 @@ class DeepseekModel(nnx.Module):
         cache: jax.Array | Fp8Cache,
         metadata: AttentionMetadata,
         *,
-        impl: str = "auto",
+        impl: str | kernels.KernelSet = "auto",
     ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
         Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
@@ -100,9 +103,9 @@ class DeepseekModel(nnx.Module):
                 f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
                 "block_size, width]"
             )
-        metadata = jax.tree.map(
-            jnp.asarray, metadata
-        )  # NumPy arrays cannot be indexed by the scan's tracers
+        # NumPy arrays cannot be indexed by the scan's tracers.
+        metadata = jax.tree.map(jnp.asarray, metadata)
+        kernel_set = kernels.select(impl)  # resolved once for every layer
         x = self.embed_tokens(input_ids)
         for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
             # The routed experts stay whole (indexed in place by the grouped matmul); the
@@ -118,7 +121,7 @@ class DeepseekModel(nnx.Module):
                     metadata,
                     layer=first + layer_in_run,
                     layer_in_run=layer_in_run,
-                    impl=impl,
+                    impl=kernel_set,
                 )
                 return (x, cache), None
 
