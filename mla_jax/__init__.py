@@ -4,10 +4,11 @@ from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, init_cach
 from mla_jax.cache.manager import CacheManager
 from mla_jax.cache.metadata import AttentionMetadata, Buckets, build_metadata
 from mla_jax.cache.packing import PackedMetadata, packed_metadata
+from mla_jax.checkpoint.hf_config import load_config
 from mla_jax.checkpoint.loader import load_model, save_checkpoint
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.attention import MLAAttention
-from mla_jax.model.config import MLAConfig, ModelConfig, RopeConfig, load_config, preset
+from mla_jax.model.config import MLAConfig, ModelConfig, RopeConfig, preset
 from mla_jax.model.deepseek import DeepseekModel
 
 __all__ = [

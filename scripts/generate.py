@@ -17,12 +17,13 @@ import jax.numpy as jnp
 
 from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
+from mla_jax.checkpoint.hf_config import load_config
 from mla_jax.checkpoint.loader import WeightsError, load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
-from mla_jax.model.config import ConfigError, load_config
+from mla_jax.model.config import ConfigError
 from mla_jax.parallel import sharding
 
 # What a user can get wrong beyond the flags (the checkpoint, the requests' sizes): the

@@ -26,7 +26,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mla_jax.checkpoint.fp8_weights import dequantize, read_safetensors, scale_name
-from mla_jax.model.config import ModelConfig, config_to_dict, load_config
+from mla_jax.checkpoint.hf_config import config_to_dict, load_config
+from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.model.moe import hf_expert_names, hf_expert_slice
 

@@ -10,9 +10,10 @@ import tempfile
 
 from flax import nnx
 
+from mla_jax.checkpoint.hf_config import config_to_dict
 from mla_jax.checkpoint.loader import save_checkpoint
 from mla_jax.engine.compilation import cache_root
-from mla_jax.model.config import MLAConfig, ModelConfig, RopeConfig, config_to_dict
+from mla_jax.model.config import MLAConfig, ModelConfig, RopeConfig
 from mla_jax.model.deepseek import DeepseekModel
 
 TINY = ModelConfig(

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from mla_jax.checkpoint.hf_config import config_from_dict, config_to_dict
 from mla_jax.checkpoint.loader import WeightsError, load_model, save_checkpoint
-from mla_jax.model.config import MLAConfig, ModelConfig, config_from_dict, config_to_dict
+from mla_jax.model.config import MLAConfig, ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
 
 CFG = ModelConfig(

@@ -20,7 +20,8 @@ import pytest
 from conftest import rel_err
 from flax import nnx
 
-from mla_jax.model.config import ConfigError, MoEConfig, config_from_dict, moe_preset
+from mla_jax.checkpoint.hf_config import config_from_dict
+from mla_jax.model.config import ConfigError, MoEConfig, moe_preset
 from mla_jax.model.moe import MoE, hf_expert_names, hf_expert_slice, route, routed_experts
 
 torch = pytest.importorskip("torch")

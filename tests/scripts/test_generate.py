@@ -10,9 +10,10 @@ import sys
 import pytest
 from conftest import ROOT, generate_script
 
+from mla_jax.checkpoint.hf_config import config_to_dict
 from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine.engine import RequestError
-from mla_jax.model.config import ConfigError, config_to_dict
+from mla_jax.model.config import ConfigError
 
 SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
 generate = generate_script()

@@ -6,13 +6,8 @@ import math
 
 import pytest
 
-from mla_jax.model.config import (
-    ConfigError,
-    config_from_dict,
-    config_to_dict,
-    load_config,
-    preset,
-)
+from mla_jax.checkpoint.hf_config import config_from_dict, config_to_dict, load_config
+from mla_jax.model.config import ConfigError, preset
 
 V3 = {
     "model_type": "deepseek_v3",
