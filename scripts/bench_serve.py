@@ -12,16 +12,19 @@ A second table gives compile seconds per program against depth (2, 27, 61 layers
 Decode rows start from requests whose context is already in the cache (zero rows, written
 by no prefill: the decode step reads them all the same) so that they time decode alone.
 
-    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR]
+    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR] [--smoke]
 
 ``--kv-cache-dtypes auto,fp8`` instead compares cache layouts (``serve_kv_cache_<model>``):
 the decode rows (default 256 x 4096) on an engine per cache dtype, and how many concurrent
 4096-token requests each layout fits in the memory of the first one's cache.
+
+``--smoke``: the same tables for the tiny model (``--model tiny``, the built-in tiny
+checkpoint's shape) with a few short requests on the CPU, on the reference kernels (the
+scripts of the kernels interpret the Pallas ones), results under --out only.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import gzip
@@ -34,15 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_moe import V2_LITE as V2_LITE_MOE
-from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
+from benchlib import _gpu_kernel_events, copy_bandwidth, machine, parse_args, parser, save
 from flax import nnx
 
 from mla_jax.cache.latent_cache import cache_dtype
+from mla_jax.checkpoint.tiny import TINY
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.config import ModelConfig, preset
 from mla_jax.model.deepseek import DeepseekModel
 
-PAGE = 64
 MODELS = {
     # DeepSeek-V2-Lite's attention with a dense MLP in place of its MoE (2.61 B parameters).
     "v2-lite": ModelConfig(
@@ -75,6 +78,8 @@ MODELS = {
         max_position_embeddings=163840,
         mla=preset("deepseek-v3"),
     ),
+    # The built-in tiny checkpoint's model (smoke runs).
+    "tiny": TINY,
 }
 # The columns of a serving row: throughput and the decode step against its roofline.
 STEP_COLUMNS = [
@@ -85,25 +90,68 @@ STEP_COLUMNS = [
     "roofline ms",
     "wall / roofline",
 ]
-DECODE_ROWS = [(b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)]
-DECODE_STEPS = 48
-PROFILED_STEPS = 12
-PREFILL_LEN = 4096
-MIXED_MAX_PROMPT = 4000
-CAPACITY_TOKENS = 4096  # the request length the cache-layout comparison counts
 
 
-def _engine_config(**overrides) -> EngineConfig:
-    base = dict(
-        block_size=PAGE,
-        num_blocks=256 * (4096 + 2 * DECODE_STEPS + PAGE) // PAGE + 64,
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the benchmark's workloads and engine, or a smoke run's."""
+
+    decode_rows: tuple[tuple[int, int], ...]  # (batch, context)
+    decode_steps: int  # timed decode steps a row
+    profiled_steps: int  # traced decode steps a row
+    prefill: tuple[int, int]  # prompts, length
+    mixed: tuple[int, int, int, int]  # requests, shortest and longest prompt, most new tokens
+    compile_depths: str  # default of --compile-depths
+    compile_steps: tuple  # the steps the compile table precompiles: lists of (context, new)
+    capacity_tokens: int  # the request length the cache-layout comparison counts
+    engine: dict  # EngineConfig settings
+
+    @property
+    def page(self) -> int:
+        return self.engine["block_size"]
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        return EngineConfig(**{**self.engine, **overrides})
+
+
+FULL = Sizes(
+    decode_rows=tuple((b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)),
+    decode_steps=48,
+    profiled_steps=12,
+    prefill=(32, 4096),
+    mixed=(64, 100, 4000, 256),
+    compile_depths="2,27,61",
+    compile_steps=([(100, 1)] * 64, [(0, 2048)]),
+    capacity_tokens=4096,
+    engine=dict(
+        block_size=64,
+        num_blocks=256 * (4096 + 2 * 48 + 64) // 64 + 64,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         workspace_size=32768,
         max_model_len=8192,
         impl="pallas",
-    )
-    return EngineConfig(**{**base, **overrides})
+    ),
+)
+SMOKE = Sizes(
+    decode_rows=((1, 16), (4, 16)),
+    decode_steps=5,
+    profiled_steps=2,
+    prefill=(2, 24),
+    mixed=(3, 4, 24, 4),
+    compile_depths="1",
+    compile_steps=([(8, 1)] * 4, [(0, 24)]),
+    capacity_tokens=32,
+    engine=dict(
+        block_size=16,
+        num_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        workspace_size=32,
+        max_model_len=64,
+        impl="reference",
+    ),
+)
 
 
 def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
@@ -172,10 +220,10 @@ def _cache_bytes_per_token(engine: Engine) -> float:
     return total / (engine.cfg.num_blocks * engine.cfg.block_size)
 
 
-def _decode_row(engine, model, bandwidth, batch, context) -> dict:
+def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
     stats = engine.stats
     before = len(stats.step_records)
-    _decode_requests(engine, batch, context, DECODE_STEPS)
+    _decode_requests(engine, batch, context, sizes.decode_steps)
     t0 = time.perf_counter()
     engine.generate([])
     wall_s = time.perf_counter() - t0
@@ -186,12 +234,12 @@ def _decode_row(engine, model, bandwidth, batch, context) -> dict:
     host_ms = float(np.median([r.host_s for r in steady])) * 1e3
 
     def profiled():
-        _decode_requests(engine, batch, context, PROFILED_STEPS)
+        _decode_requests(engine, batch, context, sizes.profiled_steps)
         engine.generate([])
-        return PROFILED_STEPS
+        return sizes.profiled_steps
 
     device_ms, kernels = _device_ms_per_step(profiled)
-    kv_bytes = batch * (context + DECODE_STEPS // 2) * _cache_bytes_per_token(engine)
+    kv_bytes = batch * (context + sizes.decode_steps // 2) * _cache_bytes_per_token(engine)
     roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
     return {
         "cells": [
@@ -229,14 +277,14 @@ def _run_requests(engine: Engine, requests: list[Request]) -> dict:
     )
 
 
-def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
+def _compile_depths(base: ModelConfig, depths: list[int], sizes: Sizes) -> list[dict]:
     """Seconds to compile one decode and one prefill program at each depth (no cache)."""
     rows = []
     for depth in depths:
         cfg = dataclasses.replace(base, num_layers=depth)
         model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        engine = Engine(model, _engine_config(num_blocks=512), log=lambda _: None)
-        engine.precompile([[(100, 1)] * 64, [(0, 2048)]])
+        engine = Engine(model, sizes.engine_config(), log=lambda _: None)
+        engine.precompile([list(step) for step in sizes.compile_steps])
         seconds = [round(program.seconds, 2) for program in engine.stats.compiled]
         rows.append({"cells": [depth, *seconds]})
         print(f"compile at {depth} layers: {seconds}", flush=True)
@@ -244,23 +292,25 @@ def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
     return rows
 
 
-def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
+def _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes: Sizes) -> None:
     """Decode rows on an engine per ``args.kv_cache_dtypes``, and each layout's capacity in
-    4096-token requests within the memory of the first layout's cache."""
+    ``sizes.capacity_tokens``-token requests within the memory of the first layout's
+    cache."""
     dtypes = args.kv_cache_dtypes.split(",")
     decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
-    blocks_per_request = -(-CAPACITY_TOKENS // PAGE)
+    page, capacity_tokens = sizes.page, sizes.capacity_tokens
+    blocks_per_request = -(-capacity_tokens // page)
     rows, budget, first_requests = [], None, None
     for dtype in dtypes:
-        engine = Engine(model, _engine_config(kv_cache_dtype=dtype), log=print)
+        engine = Engine(model, sizes.engine_config(kv_cache_dtype=dtype), log=print)
         token_bytes = _cache_bytes_per_token(engine)
         if budget is None:  # the first layout's cache
-            budget = token_bytes * engine.cfg.num_blocks * PAGE
-        requests = int(budget // (token_bytes * PAGE * blocks_per_request))
+            budget = token_bytes * engine.cfg.num_blocks * page
+        requests = int(budget // (token_bytes * page * blocks_per_request))
         if first_requests is None:
             first_requests = requests
         for batch, context in decode_rows:
-            row = _decode_row(engine, model, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context, sizes)
             row["cells"] = [
                 row["cells"][0],
                 dtype,
@@ -280,19 +330,20 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
             "workload",
             "kv cache",
             "bytes/token/layer",
-            f"{CAPACITY_TOKENS}-token requests in budget",
+            f"{capacity_tokens}-token requests in budget",
             "vs first",
             *STEP_COLUMNS,
         ],
         rows,
         [
             f"{model_cfg.num_layers} layers, Lkv {mla.kv_lora_rank} + rope "
-            f"{mla.qk_rope_head_dim}, random bf16 weights, page {PAGE}, Pallas kernels; "
+            f"{mla.qk_rope_head_dim}, random bf16 weights, page {page}, "
+            f"{sizes.engine['impl']} kernels; "
             "auto: the model's dtype (bf16); fp8: e4m3 latent, a float32 scale per 128 "
             "values, bf16 rope.",
             f"Budget: the memory of the first layout's cache in this run ({budget / 1e9:.2f} "
-            f"GB, {_engine_config().num_blocks} blocks of {PAGE}); a request of "
-            f"{CAPACITY_TOKENS} tokens takes {blocks_per_request} blocks. Bytes per token are "
+            f"GB, {sizes.engine['num_blocks']} blocks of {page}); a request of "
+            f"{capacity_tokens} tokens takes {blocks_per_request} blocks. Bytes per token are "
             "those of the engine's cache arrays.",
             "Step wall, device, host and roofline as in the serving table (roofline: weights + "
             "the KV bytes of the layout).",
@@ -303,10 +354,14 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
+    ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), help="default: v2-lite (tiny with --smoke)")
     ap.add_argument("--layers", type=int, help="override the model's depth")
-    ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
+    ap.add_argument(
+        "--compile-depths",
+        help=f"'' to skip that table (default: {FULL.compile_depths}; {SMOKE.compile_depths} "
+        "with --smoke)",
+    )
     ap.add_argument("--rows", default="decode,prefill,mixed")
     ap.add_argument("--decode-rows", help="e.g. 64x512,256x4096 (default: all)")
     ap.add_argument(
@@ -314,8 +369,13 @@ def main():
         help="e.g. auto,fp8: compare cache layouts on the decode rows (default 256x4096) "
         "instead of the serving table",
     )
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = parse_args(ap)
+    sizes = SMOKE if args.smoke else FULL
+    if args.smoke and args.model not in (None, "tiny"):
+        ap.error(f"--smoke runs the tiny model, not --model {args.model}")
+    args.model = args.model or ("tiny" if args.smoke else "v2-lite")
+    if args.compile_depths is None:
+        args.compile_depths = sizes.compile_depths
     for dtype in (args.kv_cache_dtypes or "auto").split(","):
         try:
             cache_dtype(dtype, jnp.bfloat16)
@@ -333,28 +393,30 @@ def main():
         flush=True,
     )
     if args.kv_cache_dtypes:
-        args.decode_rows = args.decode_rows or "256x4096"
-        _kv_cache_comparison(args, model, model_cfg, bandwidth)
+        batch, context = sizes.decode_rows[-1]
+        args.decode_rows = args.decode_rows or f"{batch}x{context}"
+        _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes)
         return
-    engine = Engine(model, _engine_config(), log=print)
+    engine = Engine(model, sizes.engine_config(), log=print)
     rows, kinds = [], args.rows.split(",")
     if "decode" in kinds:
-        decode_rows = DECODE_ROWS
+        decode_rows = sizes.decode_rows
         if args.decode_rows:
             decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
         for batch, context in decode_rows:
-            row = _decode_row(engine, model, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context, sizes)
             print(row, flush=True)
             rows.append(row)
     rng = np.random.default_rng(0)
     vocab = model_cfg.vocab_size
     if "prefill" in kinds:
-        requests = [Request(rng.integers(0, vocab, PREFILL_LEN).tolist(), 1) for _ in range(32)]
+        count, length = sizes.prefill
+        requests = [Request(rng.integers(0, vocab, length).tolist(), 1) for _ in range(count)]
         r = _run_requests(engine, requests)
         rows.append(
             {
                 "cells": [
-                    f"prefill 32 x {PREFILL_LEN}",
+                    f"prefill {count} x {length}",
                     round(r["prompt"] / r["run_s"], 1),
                     "",
                     "",
@@ -367,10 +429,10 @@ def main():
         print(rows[-1], r, flush=True)
     mixed = None
     if "mixed" in kinds:
-        prompts = [
-            rng.integers(0, vocab, n).tolist() for n in rng.integers(100, MIXED_MAX_PROMPT + 1, 64)
-        ]
-        new = rng.integers(1, 257, 64)
+        count, shortest, longest, most_new = sizes.mixed
+        lengths = rng.integers(shortest, longest + 1, count)
+        prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
+        new = rng.integers(1, most_new + 1, count)
         requests = [Request(p, int(n), ignore_eos=True) for p, n in zip(prompts, new, strict=True)]
         r = _run_requests(engine, requests)
         mixed = {
@@ -381,7 +443,7 @@ def main():
         rows.append(
             {
                 "cells": [
-                    "mixed: 64 requests, prompts 100-4000, 1-256 new",
+                    f"mixed: {count} requests, prompts {shortest}-{longest}, 1-{most_new} new",
                     mixed["tokens_per_s"],
                     "",
                     "",
@@ -406,7 +468,8 @@ def main():
     notes = [
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
-        f"random bf16 weights, page {PAGE}, Pallas kernels, asynchronous scheduling.",
+        f"random bf16 weights, page {sizes.page}, {sizes.engine['impl']} kernels, "
+        "asynchronous scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
         "metadata + launch per step.",
@@ -442,11 +505,16 @@ def main():
     depths = [int(d) for d in args.compile_depths.split(",") if d]
     if depths:
         del engine, model
+        decodes, [(_, prefill_tokens)] = sizes.compile_steps
         save(
             f"compile_{args.model}",
             f"Compile seconds per program against depth ({args.model}-shaped)",
-            ["layers", "decode 64 program s", "prefill 2048 program s"],
-            _compile_depths(model_cfg, depths),
+            [
+                "layers",
+                f"decode {len(decodes)} program s",
+                f"prefill {prefill_tokens} program s",
+            ],
+            _compile_depths(model_cfg, depths, sizes),
             [
                 "Layers are stacked and run by a lax.scan: XLA compiles one layer. No persistent "
                 "compilation cache."
