@@ -28,6 +28,7 @@ from mla_jax.model.config import MLAConfig, preset
 class Sizes:
     """What a run measures: the benchmark's steps, or a smoke run's."""
 
+    model_name: str
     model: MLAConfig
     page: int
     workspace: int
@@ -38,6 +39,7 @@ class Sizes:
 
 
 FULL = Sizes(
+    model_name="DeepSeek-V3",
     model=preset("deepseek-v3"),
     page=64,
     workspace=8192,
@@ -54,6 +56,7 @@ FULL = Sizes(
     random_context=(1024, 8192),
 )
 SMOKE = Sizes(
+    model_name="the tiny model's",
     model=TINY.mla,
     page=16,
     workspace=32,
@@ -127,8 +130,8 @@ def main():
         rows.append(row(cells, **timings))
     save(
         "e2e_layer",
-        f"One MLA layer step (hidden {cfg.hidden_size}, {cfg.num_heads} heads, bf16, page "
-        f"{sizes.page}): Pallas vs reference kernels",
+        f"One MLA layer step ({sizes.model_name} dims, bf16, page {sizes.page}): Pallas vs "
+        "reference kernels",
         ["step", "new tokens", "cached tokens", "Pallas us", "reference us", "speedup", "rel diff"],
         rows,
         [

@@ -110,6 +110,11 @@ class Sizes:
     def page(self) -> int:
         return self.engine["block_size"]
 
+    @property
+    def kernels(self) -> str:
+        """The engine's kernels, as a note names them."""
+        return {"pallas": "Pallas", "reference": "reference"}[self.engine["impl"]]
+
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(**{**self.engine, **overrides})
 
@@ -337,8 +342,8 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes: Sizes) -> Non
         rows,
         [
             f"{model_cfg.num_layers} layers, Lkv {mla.kv_lora_rank} + rope "
-            f"{mla.qk_rope_head_dim}, random bf16 weights, page {page}, "
-            f"{sizes.engine['impl']} kernels; "
+            f"{mla.qk_rope_head_dim}, random bf16 weights, page {page}, {sizes.kernels} "
+            "kernels; "
             "auto: the model's dtype (bf16); fp8: e4m3 latent, a float32 scale per 128 "
             "values, bf16 rope.",
             f"Budget: the memory of the first layout's cache in this run ({budget / 1e9:.2f} "
@@ -468,8 +473,8 @@ def main():
     notes = [
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
-        f"random bf16 weights, page {sizes.page}, {sizes.engine['impl']} kernels, "
-        "asynchronous scheduling.",
+        f"random bf16 weights, page {sizes.page}, {sizes.kernels} kernels, asynchronous "
+        "scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
         "metadata + launch per step.",

@@ -70,6 +70,13 @@ def test_bad_prompt_ids_are_named(capsys, ids, message):
     assert f"argument --prompt-ids: {message} (want comma-separated integers >= 0)" in line
 
 
+def test_model_is_required_but_in_a_smoke_run(capsys):
+    line = _usage_error(capsys, REQUEST)
+    assert line.endswith("error: the following arguments are required: --model")
+    line = _usage_error(capsys, ["--smoke"])  # refused before anything runs
+    assert line.endswith("error: --smoke needs --output (the result JSON)")
+
+
 def test_prompt_ids_allow_spaces():
     args = generate._parser().parse_args(
         ["--model", NOWHERE, "--prompt-ids", " 3, 14 ,15", "--max-new-tokens", "4"]
