@@ -19,8 +19,9 @@ the decode rows (default 256 x 4096) on an engine per cache dtype, and how many 
 4096-token requests each layout fits in the memory of the first one's cache.
 
 ``--smoke``: the same tables for the tiny model (``--model tiny``, the built-in tiny
-checkpoint's shape) with a few short requests on the CPU, on the reference kernels (the
-scripts of the kernels interpret the Pallas ones), results under --out only.
+checkpoint's shape) with a few short requests on the CPU, on the reference kernels
+(bench_decode, bench_prefill, bench_e2e and bench_moe run the Pallas ones interpreted),
+then the cache-layout comparison of auto and fp8; results under --out only.
 """
 
 from __future__ import annotations
@@ -288,7 +289,8 @@ def _compile_depths(base: ModelConfig, depths: list[int], sizes: Sizes) -> list[
     for depth in depths:
         cfg = dataclasses.replace(base, num_layers=depth)
         model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        engine = Engine(model, sizes.engine_config(), log=lambda _: None)
+        # A small cache: only the programs matter here.
+        engine = Engine(model, sizes.engine_config(num_blocks=512), log=lambda _: None)
         engine.precompile([list(step) for step in sizes.compile_steps])
         seconds = [round(program.seconds, 2) for program in engine.stats.compiled]
         rows.append({"cells": [depth, *seconds]})
@@ -297,12 +299,19 @@ def _compile_depths(base: ModelConfig, depths: list[int], sizes: Sizes) -> list[
     return rows
 
 
-def _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes: Sizes) -> None:
-    """Decode rows on an engine per ``args.kv_cache_dtypes``, and each layout's capacity in
-    ``sizes.capacity_tokens``-token requests within the memory of the first layout's
-    cache."""
-    dtypes = args.kv_cache_dtypes.split(",")
-    decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+def _kv_cache_comparison(
+    dtypes: list[str],
+    decode_rows: list[tuple[int, int]],
+    name: str,
+    model,
+    model_cfg,
+    bandwidth,
+    sizes: Sizes,
+    out_dir: str | None,
+) -> None:
+    """Decode rows on an engine per cache dtype, and each layout's capacity in
+    ``sizes.capacity_tokens``-token requests within the memory of the first layout's cache;
+    the table ``serve_kv_cache_<name>``."""
     page, capacity_tokens = sizes.page, sizes.capacity_tokens
     blocks_per_request = -(-capacity_tokens // page)
     rows, budget, first_requests = [], None, None
@@ -329,8 +338,8 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes: Sizes) -> Non
         del engine  # its cache, before the next one's
     mla = model_cfg.mla
     save(
-        f"serve_kv_cache_{args.model}",
-        f"Serving: KV cache layouts on a {args.model}-shaped model (Engine.generate)",
+        f"serve_kv_cache_{name}",
+        f"Serving: KV cache layouts on a {name}-shaped model (Engine.generate)",
         [
             "workload",
             "kv cache",
@@ -354,8 +363,13 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes: Sizes) -> Non
             "the KV bytes of the layout).",
         ],
         extra={"model": dataclasses.asdict(model_cfg), "machine": machine()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
+
+
+def _rows(text: str) -> list[tuple[int, int]]:
+    """``64x512,256x4096`` -> [(64, 512), (256, 4096)]."""
+    return [tuple(map(int, r.split("x"))) for r in text.split(",")]
 
 
 def main():
@@ -397,17 +411,17 @@ def main():
         f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
         flush=True,
     )
+    comparison = (args.model, model, model_cfg, bandwidth, sizes, args.out)
     if args.kv_cache_dtypes:
-        batch, context = sizes.decode_rows[-1]
-        args.decode_rows = args.decode_rows or f"{batch}x{context}"
-        _kv_cache_comparison(args, model, model_cfg, bandwidth, sizes)
+        rows = _rows(args.decode_rows) if args.decode_rows else sizes.decode_rows[-1:]
+        _kv_cache_comparison(args.kv_cache_dtypes.split(","), rows, *comparison)
         return
     engine = Engine(model, sizes.engine_config(), log=print)
     rows, kinds = [], args.rows.split(",")
     if "decode" in kinds:
         decode_rows = sizes.decode_rows
         if args.decode_rows:
-            decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+            decode_rows = _rows(args.decode_rows)
         for batch, context in decode_rows:
             row = _decode_row(engine, model, bandwidth, batch, context, sizes)
             print(row, flush=True)
@@ -507,6 +521,8 @@ def main():
         extra={"model": dataclasses.asdict(model_cfg), "stats": stats, "machine": machine()},
         out_dir=args.out,
     )
+    if args.smoke:  # a smoke run checks the cache-layout comparison too
+        _kv_cache_comparison(["auto", "fp8"], sizes.decode_rows[-1:], *comparison)
     depths = [int(d) for d in args.compile_depths.split(",") if d]
     if depths:
         del engine, model

@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks")
 PAGE = os.path.join(ROOT, "BENCHMARKS.md")
-SMOKE_REPS = 2  # timed calls of each function in a smoke run (after one warm-up round)
+SMOKE_REPS = 2  # timed calls of each function in a smoke run (after one warm-up call)
 SMOKE_DEVICES = 2  # host devices of a smoke run: room for tensor and data parallel modes
 SMOKE_TRIALS = 3  # trials of each sweep in a smoke run
 
@@ -293,19 +293,19 @@ def run(args: argparse.Namespace, tables, sweeps: dict) -> None:
 
 
 def sweep(name: str, trials: list, out_dir: str | None) -> None:
-    """Runs ``(info, variant, run)`` trials (``run()`` returns a dict of results); a variant
-    Triton rejects is recorded, not fatal. Writes ``<name>_sweep.json`` under ``out_dir``
-    (never into BENCHMARKS.md). A smoke run runs ``SMOKE_TRIALS`` trials spread evenly from
-    the first to the last (a sweep's sets of variants come one after another), and nothing
-    compiles there, so any error is fatal."""
+    """Runs ``(info, variant, measure)`` trials (``measure()`` returns a dict of results); a
+    variant Triton rejects is recorded, not fatal. Writes ``<name>_sweep.json`` under
+    ``out_dir`` (never into BENCHMARKS.md). A smoke run runs ``SMOKE_TRIALS`` trials spread
+    evenly from the first to the last (a sweep's sets of variants come one after another);
+    Triton compiles nothing there, so any error is the script's and fatal."""
     if _smoke:
         last = len(trials) - 1
         picks = {round(i * last / (SMOKE_TRIALS - 1)) for i in range(SMOKE_TRIALS)}
         trials = [trials[i] for i in sorted(picks)]
     rows = []
-    for info, variant, run in trials:
+    for info, variant, measure in trials:
         try:
-            result = {**info, **jsonable(run())}
+            result = {**info, **jsonable(measure())}
         except Exception as e:  # noqa: BLE001 (a variant the compiler rejects)
             if _smoke:
                 raise
