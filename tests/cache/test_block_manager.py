@@ -108,7 +108,7 @@ def test_evicted_blocks_hold_other_data_and_are_not_matched():
 def test_a_duplicate_content_stays_with_its_first_block():
     """Two sequences computing the same prefix at once: the second's blocks are duplicates,
     freed on release; blocks cached after a duplicate chain on to the same content."""
-    manager, fake = BlockManager(8, SIZE), {}
+    manager = BlockManager(8, SIZE)
     tokens = list(range(30, 39))  # 2 full blocks + 1
     first = manager.allocate(3)
     second = manager.allocate(3)
