@@ -47,7 +47,7 @@ def test_prefix_comparison_on_the_tiny_model(tmp_path):
         assert off["cached_prompt_tokens"] == 0 and off["cells"][6] == "0.0%"
         # On: the cached tokens are whole blocks of 16 (page of the tiny settings).
         cached = on["cached_prompt_tokens"]
-        assert 0 < cached and cached % 16 == 0 and on["cells"][5] == prompt - cached
+        assert cached > 0 and cached % 16 == 0 and on["cells"][5] == prompt - cached
         assert on["cells"][6] == f"{cached / prompt:.1%}"
     assert rows["shared prefix", "off"]["cells"][4] == shared_prompt
     # A later request of the shared workload takes the whole prefix (8 blocks of 16).
