@@ -12,18 +12,15 @@ DP 2 runs in ``tests/parallel/test_sharding.py`` (fake devices need a fresh proc
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import numpy as np
 import pytest
-from conftest import _BASE_SEED, TESTS, generate_script
+from conftest import _BASE_SEED, generate_script
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(TESTS, "model"))
-from test_hf import write_checkpoint  # noqa: E402
+from hf_checkpoints import write_checkpoint  # noqa: E402
 
 from mla_jax.checkpoint.loader import load_model  # noqa: E402
 from mla_jax.engine.engine import Engine, EngineConfig, Request  # noqa: E402

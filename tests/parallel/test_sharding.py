@@ -53,7 +53,7 @@ DP_INSPECT = [2, 2]  # data_parallel, tensor_parallel of the inspected (INSPECT)
 PREFIX_LEN = 10
 PREFIX_WAVES = [[5], [0, 3, 4, 3, 2]]  # the tokens after the prefix (0: an unrelated prompt)
 PREFIX_RANKS = [0, 0, 0, 0, 0, 1]
-PREFIX_CACHED = [0, 3 * 8]  # a 10-token prefix of a 13-token prompt: 2 blocks of 4 cached
+PREFIX_CACHED = [0, 3 * 8]  # the 10-token prefix: 2 blocks of 4 for each of the three
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,7 @@ def multi_device(tmp_path_factory):
     transformers greedy tokens of each checkpoint)."""
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, os.path.join(TESTS, "model"))  # (when this file runs alone)
-    from test_hf import write_checkpoint
+    from hf_checkpoints import write_checkpoint
 
     rng = np.random.default_rng([_BASE_SEED, 12])
     prompts = [rng.integers(0, 96, n).tolist() for n in PROMPT_LENGTHS]
