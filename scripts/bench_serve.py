@@ -455,8 +455,9 @@ def _prefix_comparison(args, model, model_cfg) -> str:
         f"{settings['max_num_prefills']} prompt chunks a step, {settings['max_num_seqs']} "
         f"requests running at most, {settings['num_blocks']} cache blocks; every program "
         "compiled before the runs.",
-        "Prompts and answers are random token ids (ignoring EOS); both engines run the same "
-        "prompts. Requests of a workload (of a turn, in the multi-turn one) arrive together. "
+        "Prompts are random token ids, answers ignore EOS; both engines get the same prompts "
+        "(multi-turn: of the same lengths, each turn after the engine's own answers). "
+        "Requests of a workload (of a turn, in the multi-turn one) arrive together. "
         "With caching, a request computes only what no earlier request left in the cache: "
         "requests admitted in the first steps compute the shared prefix each.",
         "TTFT: from the generate call's start to the host reading the request's first token "
