@@ -37,6 +37,7 @@ from bench_serve import (
 from benchlib import _gpu_kernel_events, machine, parse_args, parser, save
 from flax import nnx
 
+from mla_jax.checkpoint.tiny import TINY
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.deepseek import DeepseekModel
@@ -211,7 +212,7 @@ def _cells(mode: Mode, measured: dict, base: dict | None, gb: float | None) -> l
 
 def main(argv: list[str] | None = None) -> str:
     ap = parser(__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
+    ap.add_argument("--model", choices=[*sorted(MODELS), "tiny"], default="v2-lite")
     ap.add_argument("--layers", type=int, help="override the model's depth")
     ap.add_argument(
         "--modes",
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> str:
         args = ap.parse_args(argv)
     if args.no_publish and not args.out:
         ap.error("--no-publish needs --out")
-    model_cfg = MODELS[args.model]
+    model_cfg = TINY if args.model == "tiny" else MODELS[args.model]
     if args.layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
     batches = [int(b) for b in args.batches.split(",")]
