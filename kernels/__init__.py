@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import jax
 
-from . import decode, grouped_matmul, merge, prefill, reference
+from . import decode, grouped_matmul, merge, prefill
 
 
 class KernelSet(NamedTuple):
@@ -25,10 +25,10 @@ class KernelSet(NamedTuple):
 
 
 REFERENCE = KernelSet(
-    reference.mla_decode,
-    reference.flash_prefill,
-    reference.merge_attn_states,
-    reference.grouped_matmul,
+    decode.reference.mla_decode,
+    prefill.reference.flash_prefill,
+    merge.reference.merge_attn_states,
+    grouped_matmul.reference.grouped_matmul,
 )
 PALLAS = KernelSet(
     decode.mla_decode,

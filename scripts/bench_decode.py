@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
 
-from mla_jax.kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels import KernelPlan, decode, fp8
 
 LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5
@@ -90,7 +90,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
         "timing": timing,
     }
     if with_reference:
-        ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
+        ref = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))
         out, lse = kernel(*arg_sets[0])
         want, want_lse = ref(*arg_sets[0][:5])
         err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(

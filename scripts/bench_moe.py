@@ -115,7 +115,7 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
         rhs = layer.module.experts.gate_up_proj[:num_experts]
         group_sizes = jnp.asarray(sizes, jnp.int32)
         got = gm.grouped_matmul(lhs, rhs, group_sizes)
-        want = kernels.reference.grouped_matmul(lhs, rhs, group_sizes)
+        want = kernels.REFERENCE.grouped_matmul(lhs, rhs, group_sizes)
         errors[f"block_m={config.block_m}"] = _rel_err(got, want)
     return errors
 

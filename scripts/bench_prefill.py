@@ -17,7 +17,7 @@ from benchlib import copy_bandwidth, parse_args, row, save, sweep, time_us
 from flax import nnx
 
 from mla_jax.cache.metadata import build_metadata
-from mla_jax.kernels import PALLAS, KernelPlan, merge, prefill, reference
+from mla_jax.kernels import PALLAS, KernelPlan, merge, prefill
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import preset
 
@@ -176,7 +176,7 @@ def merge_row(copy):
     )
     nbytes = 3 * t * n * d * 2 + 3 * t * n * 4
     pallas = time_us(jax.jit(merge.merge_attn_states), [args])
-    xla = time_us(jax.jit(reference.merge_attn_states), [args])
+    xla = time_us(jax.jit(merge.reference.merge_attn_states), [args])
     gbs = nbytes / pallas.us / 1e3
     cells = [
         "8192 x 128 x 128",

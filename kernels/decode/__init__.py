@@ -1,5 +1,7 @@
-"""Paged absorbed MLA decode: the Pallas kernel (Triton lowering) and its schedule."""
+"""Paged absorbed MLA decode: the Pallas kernel (Triton lowering), its schedule and its
+pure-jnp reference (``reference.mla_decode``, the same signature)."""
 
+from . import reference
 from .pallas_triton import (
     DEFAULT_NUM_SMS,
     DecodeConfig,
@@ -13,6 +15,7 @@ from .pallas_triton import (
 )
 
 __all__ = [
+    "reference",
     "DEFAULT_NUM_SMS",
     "DecodeConfig",
     "DecodeSchedule",

@@ -1,5 +1,7 @@
-"""The MoE grouped matmul: the Pallas kernel (Triton lowering) and its tile schedule."""
+"""The MoE grouped matmul: the Pallas kernel (Triton lowering), its tile schedule and its
+pure-jnp reference (``reference.grouped_matmul``, the same signature)."""
 
+from . import reference
 from .pallas_triton import (
     GroupedMatmulConfig,
     TileSchedule,
@@ -10,6 +12,7 @@ from .pallas_triton import (
 )
 
 __all__ = [
+    "reference",
     "GroupedMatmulConfig",
     "TileSchedule",
     "default_config",

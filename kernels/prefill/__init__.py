@@ -1,6 +1,8 @@
 """Ragged causal (or full-context) flash attention with LSE: the Pallas kernel (Triton
-lowering) and its tile schedule."""
+lowering), its tile schedule and its pure-jnp reference (``reference.flash_prefill``, the same
+signature)."""
 
+from . import reference
 from .pallas_triton import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
@@ -13,6 +15,7 @@ from .pallas_triton import (
 )
 
 __all__ = [
+    "reference",
     "DEFAULT_BLOCK_K",
     "DEFAULT_BLOCK_Q",
     "DEFAULT_NUM_STAGES",

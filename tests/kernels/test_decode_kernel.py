@@ -25,7 +25,7 @@ import pytest
 from conftest import rel_err
 from jax.experimental import pallas as pl
 
-from mla_jax.kernels import decode, reference
+from mla_jax.kernels import decode
 
 TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (3e-3, 2e-5)}
 # A block id no cache has: reading through it is an out-of-bounds access.
@@ -81,7 +81,7 @@ def _check(got, want, lens, dtype):
 
 def _run(args, *, dtype=jnp.float32, impl="pallas", **kwargs):
     q_lat, q_pe, cache, table, lens = args
-    fn = decode.mla_decode if impl == "pallas" else reference.mla_decode
+    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
     if impl != "pallas":
         kwargs.pop("config", None)
     return fn(

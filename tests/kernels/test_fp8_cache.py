@@ -34,7 +34,7 @@ from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_
 from mla_jax.checkpoint.loader import load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
 from mla_jax.engine.engine import Engine, EngineConfig, Request
-from mla_jax.kernels import decode, fp8, reference
+from mla_jax.kernels import decode, fp8, paged
 from mla_jax.model.attention import LayerView
 
 OUT_TOL, LSE_TOL, LSE_RTOL = 3.5e-3, 8e-6, 1e-6
@@ -110,7 +110,7 @@ def _fp8_case(rng, lens, *, n=16, lkv=192, r=16, block_size=16):
 
 def _run(args, *, impl, **kwargs):
     q_lat, q_pe, cache, table, lens = args
-    fn = decode.mla_decode if impl == "pallas" else reference.mla_decode
+    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
     if impl != "pallas":
         kwargs.pop("config", None)
     bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
@@ -213,11 +213,11 @@ def test_fp8_bad_inputs(rng):
 
 def _rows(cache: fp8.Fp8Cache) -> np.ndarray:
     """Every row ``[num_blocks * block_size, Lkv + R]`` of one layer's FP8 cache,
-    dequantized by ``reference.gather_rows`` (float32)."""
+    dequantized by ``paged.gather_rows`` (float32)."""
     num_blocks, block_size = cache.shape[:2]
     slots = num_blocks * block_size
     return np.asarray(
-        reference.gather_rows(
+        paged.gather_rows(
             cache,
             jnp.arange(num_blocks, dtype=jnp.int32)[None],
             jnp.zeros(slots, jnp.int32),

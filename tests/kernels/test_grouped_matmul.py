@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from mla_jax.kernels import grouped_matmul as gm
-from mla_jax.kernels import reference
 
-KERNELS = {"pallas": gm.grouped_matmul, "reference": reference.grouped_matmul}
+KERNELS = {"pallas": gm.grouped_matmul, "reference": gm.reference.grouped_matmul}
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 7e-3}
 
 
