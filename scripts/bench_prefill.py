@@ -38,7 +38,7 @@ def _pallas(lens, n, variant=None):
     variant = dict(variant or {})
     block_q = variant.pop("block_q", prefill.DEFAULT_BLOCK_Q)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    schedule = jax.device_put(prefill.plan(cu, int(cu[-1]), block_q))
+    schedule = jax.device_put(prefill.schedule_query_tiles(cu, int(cu[-1]), block_q))
     cu = jnp.asarray(cu)
     # Offsets and schedule are arguments (as they are in the model), not baked-in constants.
     f = jax.jit(

@@ -4,19 +4,15 @@ pure-jnp reference (``reference.grouped_matmul``, the same signature)."""
 from . import reference
 from .pallas_triton import (
     GroupedMatmulConfig,
-    TileSchedule,
     default_config,
     grouped_matmul,
-    max_tiles,
-    plan,
+    schedule_row_tiles,
 )
 
 __all__ = [
     "reference",
     "GroupedMatmulConfig",
-    "TileSchedule",
     "default_config",
     "grouped_matmul",
-    "max_tiles",
-    "plan",
+    "schedule_row_tiles",
 ]

@@ -8,10 +8,8 @@ from .pallas_triton import (
     DEFAULT_BLOCK_Q,
     DEFAULT_NUM_STAGES,
     DEFAULT_NUM_WARPS,
-    TileSchedule,
     flash_prefill,
-    max_tiles,
-    plan,
+    schedule_query_tiles,
 )
 
 __all__ = [
@@ -20,8 +18,6 @@ __all__ = [
     "DEFAULT_BLOCK_Q",
     "DEFAULT_NUM_STAGES",
     "DEFAULT_NUM_WARPS",
-    "TileSchedule",
     "flash_prefill",
-    "max_tiles",
-    "plan",
+    "schedule_query_tiles",
 ]

@@ -26,6 +26,7 @@ from mla_jax import kernels
 from mla_jax.cache.latent_cache import PAD_SLOT
 from mla_jax.kernels import decode as decode_kernel
 from mla_jax.kernels import prefill as prefill_kernel
+from mla_jax.kernels import tiling
 
 
 class MetadataError(ValueError):
@@ -169,7 +170,7 @@ class PrefillMetadata:
     context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
     block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
     chunks: ChunkedContext | None  # None when no prefill has cached context
-    schedule: prefill_kernel.TileSchedule | None = None  # query tiles (Pallas)
+    schedule: tiling.TileSchedule | None = None  # query tiles (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -342,8 +343,8 @@ def _build(
         schedule = None
         if kernel_plan is not None:
             block_q = kernel_plan.prefill_block_q
-            schedule = prefill_kernel.plan(
-                qsl, tp, block_q, num_tiles=prefill_kernel.max_tiles(tp, bp, block_q)
+            schedule = prefill_kernel.schedule_query_tiles(
+                qsl, tp, block_q, num_tiles=tiling.max_tiles(tp, bp, block_q)
             )
         prefill = PrefillMetadata(
             query_start_loc=qsl,

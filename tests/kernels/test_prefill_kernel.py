@@ -16,7 +16,7 @@ import numpy_ref as ref
 import pytest
 from conftest import rel_err
 
-from mla_jax.kernels import merge, prefill
+from mla_jax.kernels import merge, prefill, tiling
 
 TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (4e-3, 1e-5)}
 
@@ -32,7 +32,7 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
     q = _cast(rng.standard_normal((tq, n, dqk)), dtype)
     k = _cast(rng.standard_normal((tk, n, dqk)), dtype)
     v = _cast(rng.standard_normal((tk, n, dv)), dtype)
-    schedule = prefill.plan(cu_q, tq, block_q) if host else None
+    schedule = prefill.schedule_query_tiles(cu_q, tq, block_q) if host else None
     out, lse = prefill.flash_prefill(
         *(jnp.asarray(a, dtype) for a in (q, k, v)),
         jnp.asarray(cu_q),
@@ -85,14 +85,14 @@ def test_device_side_schedule(rng):
 
 def test_plan_covers_every_row_once():
     cu = np.array([0, 1, 17, 17, 90], np.int32)
-    s = prefill.plan(cu, 100, 16)
+    s = prefill.schedule_query_tiles(cu, 100, 16)
     rows = np.concatenate([np.arange(a, b) for a, b in zip(s.tile_start, s.tile_end, strict=True)])
     assert sorted(rows.tolist()) == list(range(100))
-    for t in range(len(s.tile_seq)):
-        seq = s.tile_seq[t]
+    for t in range(len(s.tile_segment)):
+        seq = s.tile_segment[t]
         lo, hi = (cu[seq], cu[seq + 1]) if seq < 4 else (90, 100)
         assert lo <= s.tile_start[t] <= s.tile_end[t] <= hi
-    assert len(s.tile_seq) <= prefill.max_tiles(100, 4, 16)
+    assert len(s.tile_segment) <= tiling.max_tiles(100, 4, 16)
 
 
 @pytest.mark.parametrize(
