@@ -61,11 +61,11 @@ class KernelPlan:
 
     num_heads: int
     num_sms: int = decode.DEFAULT_NUM_SMS
-    prefill_block_q: int = prefill.DEFAULT_BLOCK_Q
+    prefill_block_q: int = prefill.PrefillConfig().block_q
 
     def decode_config(self, batch: int) -> decode.DecodeConfig:
         """The launch parameters ``mla_decode`` picks for a batch of ``batch`` decodes."""
-        return decode.default_config(self.num_heads, batch)
+        return decode.DecodeConfig.for_shape(self.num_heads, batch)
 
     def decode_programs(self, batch: int) -> int:
         """Decode programs per block of heads for a batch of ``batch`` decodes."""

@@ -13,6 +13,7 @@ the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -65,7 +66,7 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
     arg_sets = _inputs(rng, seq_lens, n, sets)
     if quantized:
         arg_sets = [(*a[:2], _quantized(a[2]), *a[3:]) for a in arg_sets]
-    config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
     schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
     # The schedule is an argument (as it is in the model), not a constant baked in.
@@ -123,7 +124,7 @@ def _ragged(rng):
     ]
 
 
-# The variants behind kernels.decode.default_config (each on top of the default).
+# The variants behind DecodeConfig.for_shape (each on top of its choice).
 SWEEP = {
     16: [
         {},

@@ -16,6 +16,7 @@ launch configurations. ``--sweep`` times launch variants of the grouped matmul i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -105,7 +106,7 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
     errors = {}
     for per_expert in (6, 48, 160):
         rows = per_expert * num_experts
-        config = gm.default_config(rows, num_experts)
+        config = gm.GroupedMatmulConfig.for_shape(rows, num_experts)
         sizes = np.random.default_rng(per_expert).multinomial(
             rows, np.ones(num_experts) / num_experts
         )
@@ -196,7 +197,7 @@ def prefill_case(layer: Layer, tokens: int = PREFILL_TOKENS, grouped_matmul=None
     return result
 
 
-# Launch variants around gm.default_config: decode (16-row tiles) and prefill (128-row).
+# Launch variants around GroupedMatmulConfig.for_shape: decode (16-row tiles) and prefill (128-row).
 SWEEP = {
     "decode": [
         gm.GroupedMatmulConfig(16, 128, 128, 4, 4),
@@ -224,7 +225,7 @@ def _sweep(out_dir):
         return prefill_case(layer, tokens, grouped_matmul=gmm)
 
     trials = [
-        ({"case": kind}, config._asdict(), functools.partial(run, kind, config))
+        ({"case": kind}, dataclasses.asdict(config), functools.partial(run, kind, config))
         for kind, configs in SWEEP.items()
         for config in configs
     ]

@@ -35,15 +35,14 @@ def _qkv(key, t, n):
 
 
 def _pallas(lens, n, variant=None):
-    variant = dict(variant or {})
-    block_q = variant.pop("block_q", prefill.DEFAULT_BLOCK_Q)
+    config = prefill.PrefillConfig(**(variant or {}))
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    schedule = jax.device_put(prefill.schedule_query_tiles(cu, int(cu[-1]), block_q))
+    schedule = jax.device_put(prefill.schedule_query_tiles(cu, int(cu[-1]), config.block_q))
     cu = jnp.asarray(cu)
     # Offsets and schedule are arguments (as they are in the model), not baked-in constants.
     f = jax.jit(
         lambda q, k, v, cu, schedule: prefill.flash_prefill(
-            q, k, v, cu, cu, scale=SCALE, causal=True, schedule=schedule, **variant
+            q, k, v, cu, cu, scale=SCALE, causal=True, schedule=schedule, config=config
         )
     )
     return lambda q, k, v: f(q, k, v, cu, schedule)
@@ -188,7 +187,7 @@ def merge_row(copy):
     return [row(cells, pallas=pallas, xla_reference=xla)]
 
 
-# The variants behind the kernels.prefill defaults.
+# The variants behind the PrefillConfig defaults.
 SWEEP = [
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2),

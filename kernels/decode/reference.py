@@ -22,6 +22,8 @@ def mla_decode(
     *,
     scale: float,
     schedule=None,
+    config=None,
+    interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode: MQA of ``[q_lat, q_pe]`` over the paged latent cache.
 
@@ -34,12 +36,13 @@ def mla_decode(
         ``cdiv(seq_lens[b], block_size)`` are never used (may hold anything).
       seq_lens: ``[B]`` int32 keys per sequence (0: empty row).
       scale: softmax scale.
-      schedule: the Pallas kernel's work plan; ignored here.
+      schedule, config, interpret: the Pallas kernel's work plan, launch parameters and
+        mode; ignored here.
 
     Returns:
       ``out [B, N, Lkv]`` (q_lat's dtype) and ``lse [B, N]`` float32.
     """
-    del schedule
+    del schedule, config, interpret
     num_lat = q_lat.shape[-1]
     b, w = block_table.shape
     positions = jnp.arange(w * kv_cache.shape[1])[None, :]

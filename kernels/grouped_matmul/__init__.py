@@ -4,7 +4,6 @@ pure-jnp reference (``reference.grouped_matmul``, the same signature)."""
 from . import reference
 from .pallas_triton import (
     GroupedMatmulConfig,
-    default_config,
     grouped_matmul,
     schedule_row_tiles,
 )
@@ -12,7 +11,6 @@ from .pallas_triton import (
 __all__ = [
     "reference",
     "GroupedMatmulConfig",
-    "default_config",
     "grouped_matmul",
     "schedule_row_tiles",
 ]

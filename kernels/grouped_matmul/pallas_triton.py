@@ -21,8 +21,8 @@ row tiles), so HBM sees about one read of ``lhs`` and of each used expert.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,30 +36,33 @@ from .. import online_softmax, tiling
 _MIN_TILE = 16
 
 
-class GroupedMatmulConfig(NamedTuple):
-    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16)."""
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16);
+    ``for_shape`` picks them for a shape, ``dataclasses.replace`` makes variants. The
+    defaults suit many rows per group (prefill: compute-bound)."""
 
-    block_m: int  # rows per tile (a tile holds rows of one group)
-    block_n: int  # output columns per program
-    block_k: int  # reduction depth per step
-    num_warps: int
-    num_stages: int
+    block_m: int = 128  # rows per tile (a tile holds rows of one group)
+    block_n: int = 256  # output columns per program
+    block_k: int = 64  # reduction depth per step
+    num_warps: int = 8
+    num_stages: int = 3
 
-
-def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
-    """Launch parameters by the mean rows per group (static shapes only, so it works under
-    jit). Few rows per group (decode: batch x top-k spread over the experts) is a stream of
-    weights: 16-row tiles, so that one tile covers an expert's tokens and its weights are read
-    once, with deep K steps and a deep pipeline. Many rows (prefill) is compute: 128 x 128
-    tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py --sweep``'s prefill variants
-    on an H200, 2026-11-22: 468 TFLOP/s against 441 for 128 wide; its decode variants were
-    within 3% of each other)."""
-    rows_per_group = num_rows / max(num_groups, 1)
-    if rows_per_group <= 16:
-        return GroupedMatmulConfig(16, 128, 128, num_warps=4, num_stages=4)
-    if rows_per_group <= 64:
-        return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=4)
-    return GroupedMatmulConfig(128, 256, 64, num_warps=8, num_stages=3)
+    @classmethod
+    def for_shape(cls, num_rows: int, num_groups: int) -> GroupedMatmulConfig:
+        """Launch parameters by the mean rows per group (static shapes only, so it works
+        under jit). Few rows per group (decode: batch x top-k spread over the experts) is a
+        stream of weights: 16-row tiles, so that one tile covers an expert's tokens and its
+        weights are read once, with deep K steps and a deep pipeline. Many rows (prefill) is
+        compute: 128 x 128 tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py
+        --sweep``'s prefill variants on an H200, 2026-11-22: 468 TFLOP/s against 441 for
+        128 wide; its decode variants were within 3% of each other)."""
+        rows_per_group = num_rows / max(num_groups, 1)
+        if rows_per_group <= 16:
+            return cls(16, 128, 128, num_warps=4, num_stages=4)
+        if rows_per_group <= 64:
+            return cls(64, 128, 64, num_warps=4, num_stages=4)
+        return cls()
 
 
 def schedule_row_tiles(
@@ -200,8 +203,8 @@ def grouped_matmul(
       schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
         ``config.block_m``); None plans them on the device, up to the static bound
         ``tiling.max_tiles``.
-      config: launch parameters (default: ``default_config(M, G)``); block sizes larger than
-        a dimension shrink to the power of two that fits it (at least 16).
+      config: launch parameters (default: ``GroupedMatmulConfig.for_shape(M, G)``); block
+        sizes larger than a dimension shrink to the power of two that fits it (at least 16).
 
     Returns:
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
@@ -210,9 +213,9 @@ def grouped_matmul(
     _check(lhs, rhs, group_sizes, group_offset)
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config or default_config(lhs.shape[0], group_sizes.shape[0])
+    config = config or GroupedMatmulConfig.for_shape(lhs.shape[0], group_sizes.shape[0])
     if schedule is not None:
-        config = config._replace(block_m=schedule.rows_per_tile)
+        config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     return _grouped_matmul(
         lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret

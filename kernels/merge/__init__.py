@@ -2,6 +2,6 @@
 its pure-jnp reference (``reference.merge_attn_states``, the same signature)."""
 
 from . import reference
-from .pallas_triton import merge_attn_states
+from .pallas_triton import MergeConfig, merge_attn_states
 
-__all__ = ["merge_attn_states", "reference"]
+__all__ = ["MergeConfig", "merge_attn_states", "reference"]

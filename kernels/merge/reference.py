@@ -11,12 +11,17 @@ def merge_attn_states(
     prefix_lse: jax.Array,
     suffix_out: jax.Array,
     suffix_lse: jax.Array,
+    *,
+    config=None,
+    interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Combines two attention results over disjoint key sets.
 
     ``out [T, N, D]``, ``lse [T, N]`` float32 on each side. A ``-inf`` side contributes
     nothing; two ``-inf`` sides give out 0 and lse ``-inf``. Returns prefix_out's dtype.
+    ``config``, ``interpret``: the Pallas kernel's launch parameters and mode; ignored here.
     """
+    del config, interpret
     m = jnp.maximum(prefix_lse, suffix_lse)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     wp = jnp.exp(prefix_lse - m)

@@ -4,20 +4,14 @@ signature)."""
 
 from . import reference
 from .pallas_triton import (
-    DEFAULT_BLOCK_K,
-    DEFAULT_BLOCK_Q,
-    DEFAULT_NUM_STAGES,
-    DEFAULT_NUM_WARPS,
+    PrefillConfig,
     flash_prefill,
     schedule_query_tiles,
 )
 
 __all__ = [
     "reference",
-    "DEFAULT_BLOCK_K",
-    "DEFAULT_BLOCK_Q",
-    "DEFAULT_NUM_STAGES",
-    "DEFAULT_NUM_WARPS",
+    "PrefillConfig",
     "flash_prefill",
     "schedule_query_tiles",
 ]

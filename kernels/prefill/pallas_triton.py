@@ -13,6 +13,7 @@ without keys.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,12 +24,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import online_softmax, tiling
 
-# Tuned on an H200 (scripts/bench_prefill.py --sweep): 128 query rows, 64 keys per step,
-# 8 warps, a 3-deep pipeline.
-DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 64
-DEFAULT_NUM_WARPS = 8
-DEFAULT_NUM_STAGES = 3
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel (``dataclasses.replace`` makes variants). The
+    defaults are tuned on an H200 (``scripts/bench_prefill.py --sweep``)."""
+
+    block_q: int = 128  # query rows per tile (a host schedule's rows_per_tile wins)
+    block_k: int = 64  # keys per step
+    num_warps: int = 8
+    num_stages: int = 3
 
 
 def schedule_query_tiles(
@@ -169,10 +174,7 @@ def flash_prefill(
     scale: float,
     causal: bool,
     schedule: tiling.TileSchedule | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = DEFAULT_NUM_STAGES,
+    config: PrefillConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged flash attention forward.
@@ -184,9 +186,9 @@ def flash_prefill(
       scale: softmax scale.
       causal: query i of a sequence sees its keys up to ``i + len_k - len_q``; otherwise all.
       schedule: the query tiles (``schedule_query_tiles``, from the host metadata; its
-        ``rows_per_tile`` wins over ``block_q``);
-        None plans tiles of ``block_q`` rows on the device, up to a static bound.
-      block_q, block_k: query rows and keys per step; num_warps, num_stages: Triton.
+        ``rows_per_tile`` wins over ``config.block_q``); None plans tiles of
+        ``config.block_q`` rows on the device, up to a static bound.
+      config: launch parameters (default: ``PrefillConfig()``).
 
     Returns:
       ``out [Tq, N, Dv]`` in q's dtype and ``lse [Tq, N]`` float32 (natural log); rows
@@ -205,41 +207,14 @@ def flash_prefill(
         schedule,
         scale=scale,
         causal=causal,
-        block_q=block_q,
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        config=config or PrefillConfig(),
         interpret=interpret,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "causal",
-        "block_q",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "config", "interpret"))
 def _flash_prefill(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    schedule,
-    *,
-    scale,
-    causal,
-    block_q,
-    block_k,
-    num_warps,
-    num_stages,
-    interpret,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, schedule, *, scale, causal, config, interpret
 ):
     tq, n, dqk = q.shape
     dv = v.shape[-1]
@@ -251,11 +226,11 @@ def _flash_prefill(
         schedule = schedule_query_tiles(
             cu_seqlens_q,
             tq,
-            block_q,
-            num_tiles=tiling.max_tiles(tq, cu_seqlens_q.shape[0] - 1, block_q),
+            config.block_q,
+            num_tiles=tiling.max_tiles(tq, cu_seqlens_q.shape[0] - 1, config.block_q),
             xp=jnp,
         )
-    block_q = schedule.rows_per_tile
+    block_q, block_k = schedule.rows_per_tile, config.block_k
     if k.shape[0] < block_k:  # a whole block must be addressable (keys past cu_k are masked)
         pad = ((0, block_k - k.shape[0]), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
@@ -274,7 +249,9 @@ def _flash_prefill(
             jax.ShapeDtypeStruct((tq, n, v.shape[-1]), q.dtype),
             jax.ShapeDtypeStruct((tq, n), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
         interpret=interpret,
         name="flash_prefill",
     )(

@@ -31,6 +31,8 @@ def flash_prefill(
     scale: float,
     causal: bool,
     schedule=None,
+    config=None,
+    interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged attention with LSE over flattened sequences.
 
@@ -41,12 +43,13 @@ def flash_prefill(
       scale: softmax scale.
       causal: query i of a sequence sees its keys up to ``i + (len_k - len_q)`` (queries
         aligned to the end of the keys); otherwise all of its keys.
-      schedule: the Pallas kernel's tile plan; ignored here.
+      schedule, config, interpret: the Pallas kernel's tile plan, launch parameters and
+        mode; ignored here.
 
     Returns:
       ``out [Tq, N, Dv]`` (q's dtype) and ``lse [Tq, N]`` float32.
     """
-    del schedule
+    del schedule, config, interpret
     seg_q, off_q = _segments(cu_seqlens_q, q.shape[0])
     seg_k, off_k = _segments(cu_seqlens_k, k.shape[0])
     mask = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] >= 0)

@@ -17,6 +17,8 @@ accumulated in float32).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +119,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype, impl, variant):
         impl=impl,
         scale=0.11,
         schedule=decode.plan(args[-1], num_programs=3, block_k=32),
-        config=decode.default_config(16, 7)._replace(block_k=32, **variant),
+        config=dataclasses.replace(decode.DecodeConfig.for_shape(16, 7), block_k=32, **variant),
     )
     _check(got, _expected(*args, 0.11), args[-1], dtype)
 
@@ -136,7 +138,7 @@ def test_any_heads_and_widths(rng, n, lkv, r, impl):
         impl=impl,
         scale=0.2,
         schedule=decode.plan(args[-1], num_programs=5, block_k=32, num_items=9),
-        config=decode.default_config(n, 4)._replace(block_k=32),
+        config=dataclasses.replace(decode.DecodeConfig.for_shape(n, 4), block_k=32),
     )
     _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
 
@@ -149,7 +151,7 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
     """Every request in one program, up to many programs per request; the device-side
     fallback (no schedule: one program per request); several blocks of heads."""
     args = _case(rng, [130, 7, 64, 0, 201], n=n)
-    config = decode.default_config(n, 5)._replace(block_h=block_h, block_k=32)
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, 5), block_h=block_h, block_k=32)
     kw = dict(scale=0.2, config=config)
     if num_programs:
         kw["schedule"] = decode.plan(
@@ -163,7 +165,7 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
 
 def test_default_head_blocks_divide_the_padded_heads():
     for n in (1, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 256):
-        cfg = decode.default_config(n, 8)
+        cfg = decode.DecodeConfig.for_shape(n, 8)
         heads = decode.padded_heads(n)
         assert heads >= n and heads % 16 == 0 and heads - n < 16
         assert heads % cfg.block_h == 0 and cfg.block_h & (cfg.block_h - 1) == 0
@@ -186,7 +188,7 @@ def test_deepseek_scale_compiled(rng, n):
     lens = rng.integers(1, 4096, 64)
     lens[:3] = [4096, 1, 64]
     args = _case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=jnp.bfloat16)
-    config = decode.default_config(n, 64)
+    config = decode.DecodeConfig.for_shape(n, 64)
     programs = decode.num_programs(config, n)
     got = _run(
         args,
@@ -230,7 +232,13 @@ def test_outputs_start_poisoned():
         (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-1]}, "rows are 79 wide"),
         (lambda a: {**a, "q_pe": a["q_pe"].astype(jnp.bfloat16)}, "share a dtype"),
         (lambda a: {**a, "q_lat": a["q_lat"][:, :0], "q_pe": a["q_pe"][:, :0]}, ">= 1"),
-        (lambda a: {**a, "config": decode.default_config(16, 2)._replace(block_h=8)}, "block_h"),
+        (
+            lambda a: {
+                **a,
+                "config": dataclasses.replace(decode.DecodeConfig.for_shape(16, 2), block_h=8),
+            },
+            "block_h",
+        ),
         (lambda a: {**a, "block_table": a["block_table"][:, :1]}, "too narrow"),
         (lambda a: {**a, "block_table": a["block_table"].astype(jnp.float32)}, "int32"),
         (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "seq_lens must be int32"),

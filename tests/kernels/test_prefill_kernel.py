@@ -40,8 +40,7 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
         scale=0.15,
         causal=causal,
         schedule=schedule,
-        block_q=block_q,
-        block_k=16,
+        config=prefill.PrefillConfig(block_q=block_q, block_k=16),
     )
     want, want_lse = ref.attention(q, k, v, ref.ragged_mask(cu_q, cu_k, tq, tk, causal), 0.15)
     out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
@@ -133,7 +132,7 @@ def test_merge(rng, dtype, d):
         jnp.asarray(pls),
         jnp.asarray(so, dtype),
         jnp.asarray(sls),
-        block_rows=16,
+        config=merge.MergeConfig(block_rows=16),
     )
     out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
     want_lse = np.logaddexp(pls.astype(np.float64), sls)

@@ -3,15 +3,36 @@ kernel tests use). float32 inputs: relative error 1e-5."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 import numpy_ref as ref
 import pytest
 from conftest import rel_err
 
-from mla_jax.kernels import decode, merge, prefill
+from mla_jax.kernels import decode, grouped_matmul, merge, prefill
 
 TOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "kernel,reference",
+    [
+        (decode.mla_decode, decode.reference.mla_decode),
+        (prefill.flash_prefill, prefill.reference.flash_prefill),
+        (merge.merge_attn_states, merge.reference.merge_attn_states),
+        (grouped_matmul.grouped_matmul, grouped_matmul.reference.grouped_matmul),
+    ],
+)
+def test_reference_takes_the_kernels_arguments(kernel, reference):
+    """Each reference is a drop-in for its kernel: the same parameter names, kinds and
+    defaults, so that a call written for one runs the other."""
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert parameters(reference) == parameters(kernel)
 
 
 def test_mla_decode(rng):
