@@ -13,8 +13,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
-from . import decode, grouped_matmul, merge, prefill
+from . import decode, grouped_matmul, merge, prefill, tiling
 
 
 class KernelSet(NamedTuple):
@@ -70,6 +71,29 @@ class KernelPlan:
     def decode_programs(self, batch: int) -> int:
         """Decode programs per block of heads for a batch of ``batch`` decodes."""
         return decode.num_programs(self.decode_config(batch), self.num_heads, self.num_sms)
+
+    def decode_schedule(self, seq_lens: np.ndarray) -> decode.DecodeSchedule:
+        """The split-KV schedule of ``mla_decode`` for a batch of decodes with ``seq_lens
+        [B]`` keys each (host, NumPy int; padding rows 0). Its arrays have sizes fixed by B
+        alone, so that a padded batch size compiles once."""
+        batch = seq_lens.shape[0]
+        programs = self.decode_programs(batch)
+        return decode.schedule_splits(
+            seq_lens,
+            num_programs=programs,
+            block_k=self.decode_config(batch).block_k,
+            num_items=decode.max_items(batch, programs),
+        )
+
+    def prefill_schedule(self, query_start: np.ndarray, num_rows: int) -> tiling.TileSchedule:
+        """The query tiles of ``flash_prefill`` for prompt chunks at offsets ``query_start
+        [S + 1]`` (host, NumPy int) in a query region of ``num_rows`` rows (padding after
+        them). Its arrays have sizes fixed by S and ``num_rows`` alone, so that padded sizes
+        compile once."""
+        num_tiles = tiling.max_tiles(num_rows, query_start.shape[0] - 1, self.prefill_block_q)
+        return prefill.schedule_query_tiles(
+            query_start, num_rows, self.prefill_block_q, num_tiles=num_tiles
+        )
 
     @classmethod
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:

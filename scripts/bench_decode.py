@@ -68,7 +68,9 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
         arg_sets = [(*a[:2], _quantized(a[2]), *a[3:]) for a in arg_sets]
     config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
-    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=config.block_k)
+    )
     # The schedule is an argument (as it is in the model), not a constant baked in.
     kernel = jax.jit(
         lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)

@@ -10,7 +10,7 @@ from .pallas_triton import (
     mla_decode,
     num_programs,
     padded_heads,
-    plan,
+    schedule_splits,
 )
 
 __all__ = [
@@ -22,5 +22,5 @@ __all__ = [
     "mla_decode",
     "num_programs",
     "padded_heads",
-    "plan",
+    "schedule_splits",
 ]

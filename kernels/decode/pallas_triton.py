@@ -3,9 +3,9 @@
 Every decode query is MQA over the latent cache: keys ``[kv_c, k_pe]`` (576 = 512 + 64 wide,
 loaded as two power-of-two tiles), values ``kv_c``. As in FlashMLA, a fixed number of
 programs per block of heads (a multiple of the multiprocessor count) each take an equal
-share of the batch's KV tokens, whatever the mix of lengths: ``plan`` cuts the token stream
-of the batch at request and share boundaries into *items* (a contiguous KV range of one
-request) and hands each program its consecutive items. Every token is read straight from
+share of the batch's KV tokens, whatever the mix of lengths: ``schedule_splits`` cuts the
+token stream of the batch at request and share boundaries into *items* (a contiguous KV range
+of one request) and hands each program its consecutive items. Every token is read straight from
 the paged cache through the block table, once per block of heads. An item that covers a
 whole request writes the final output; the items of split requests leave float32 partial
 results that a second kernel LSE-merges.
@@ -103,7 +103,7 @@ class DecodeConfig:
 
 
 def num_programs(config: DecodeConfig, num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """Decode programs per block of heads (what ``plan`` schedules for)."""
+    """Decode programs per block of heads (what ``schedule_splits`` schedules for)."""
     head_blocks = padded_heads(num_heads) // config.block_h
     return max(1, num_sms * config.programs_per_sm // head_blocks)
 
@@ -120,7 +120,7 @@ class DecodeSchedule(NamedTuple):
     req_items: jax.Array  # [B + 1] int32
 
 
-def plan(
+def schedule_splits(
     seq_lens: np.ndarray,
     *,
     num_programs: int,
@@ -509,8 +509,9 @@ def mla_decode(
         hold anything (-1, a stale id), and cache rows past ``seq_lens[b]`` are never read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
-      schedule: the split-KV plan (``plan``, built on the host from the metadata); None
-        runs each request whole in a program of its own.
+      schedule: the split-KV plan (``schedule_splits``, built on the host with the metadata
+        by ``KernelPlan.decode_schedule``); None runs each request whole in a program of its
+        own.
       config: launch parameters (default: ``DecodeConfig.for_shape(N, B)``).
 
     Returns:

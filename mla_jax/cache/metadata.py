@@ -24,9 +24,8 @@ import numpy as np
 
 from mla_jax import kernels
 from mla_jax.cache.latent_cache import PAD_SLOT
-from mla_jax.kernels import decode as decode_kernel
-from mla_jax.kernels import prefill as prefill_kernel
-from mla_jax.kernels import tiling
+from mla_jax.kernels.decode import DecodeSchedule
+from mla_jax.kernels.tiling import TileSchedule
 
 
 class MetadataError(ValueError):
@@ -157,7 +156,7 @@ class DecodeMetadata:
 
     block_table: np.ndarray  # [Bd, Wd] int32; entries past a request's need are never read
     seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
-    schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
+    schedule: DecodeSchedule | None = None  # split-KV plan (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -170,7 +169,7 @@ class PrefillMetadata:
     context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
     block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
     chunks: ChunkedContext | None  # None when no prefill has cached context
-    schedule: tiling.TileSchedule | None = None  # query tiles (Pallas)
+    schedule: TileSchedule | None = None  # query tiles (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -265,8 +264,8 @@ def build_metadata(
       kernel_plan: when given, also the Pallas kernels' work schedules (split-KV items,
         query tiles), sized by the buckets so that they add no compilations.
     """
-    ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
-    return _build(
+    ctx, qlen, bt = validate_step(context_lens, query_lens, block_table, block_size, num_blocks)
+    return build_validated(
         ctx,
         qlen,
         bt,
@@ -278,7 +277,7 @@ def build_metadata(
     )
 
 
-def _build(
+def build_validated(
     ctx: np.ndarray,
     qlen: np.ndarray,
     bt: np.ndarray,
@@ -289,7 +288,8 @@ def _build(
     buckets: Buckets,
     kernel_plan: kernels.KernelPlan | None,
 ) -> AttentionMetadata:
-    """``build_metadata`` on arrays ``_validate`` has checked and converted."""
+    """``build_metadata`` on arrays ``validate_step`` has checked and converted (int64
+    lengths, decodes first)."""
     num_reqs = ctx.shape[0]
     seq_lens = ctx + qlen
     nd = int(np.count_nonzero(qlen == 1))
@@ -321,38 +321,23 @@ def _build(
     decode = None
     if nd:
         d_lens = _pad(seq_lens[:nd], bd)
-        schedule = None
-        if kernel_plan is not None:
-            programs = kernel_plan.decode_programs(bd)
-            schedule = decode_kernel.plan(
-                d_lens,
-                num_programs=programs,
-                block_k=kernel_plan.decode_config(bd).block_k,
-                num_items=decode_kernel.max_items(bd, programs),
-            )
         decode = DecodeMetadata(
             block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),
             seq_lens=d_lens,
-            schedule=schedule,
+            schedule=None if kernel_plan is None else kernel_plan.decode_schedule(d_lens),
         )
     prefill = None
     if npf:
         p_ctx = ctx[nd:]
         qsl = np.full(bp + 1, n_tok - nd, np.int32)
         qsl[: npf + 1] = cu[nd:] - nd
-        schedule = None
-        if kernel_plan is not None:
-            block_q = kernel_plan.prefill_block_q
-            schedule = prefill_kernel.schedule_query_tiles(
-                qsl, tp, block_q, num_tiles=tiling.max_tiles(tp, bp, block_q)
-            )
         prefill = PrefillMetadata(
             query_start_loc=qsl,
             seq_lens=_pad(seq_lens[nd:], bp),
             context_lens=_pad(p_ctx, bp),
             block_table=_pad_table(bt[nd:], p_ctx, bp, buckets, block_size),
             chunks=_plan_chunks(_pad(p_ctx, bp), block_size, workspace_size, buckets),
-            schedule=schedule,
+            schedule=None if kernel_plan is None else kernel_plan.prefill_schedule(qsl, tp),
         )
     return AttentionMetadata(
         positions=positions,
@@ -416,9 +401,13 @@ def _pad_table(
     return out
 
 
-def _validate(context_lens, query_lens, block_table, block_size, num_blocks, *, decodes_first=True):
+def validate_step(
+    context_lens, query_lens, block_table, block_size: int, num_blocks: int, *, decodes_first=True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The checks of ``build_metadata``, errors naming requests by their index here;
-    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``)."""
+    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``).
+    Returns ``context_lens [R]`` and ``query_lens [R]`` as int64 and ``block_table [R, W]``
+    as given, for ``build_validated``."""
     ctx = np.asarray(context_lens)
     qlen = np.asarray(query_lens)
     bt = np.asarray(block_table)

@@ -118,7 +118,7 @@ def test_lengths_and_block_sizes(rng, block_size, dtype, impl, variant):
         dtype=dtype,
         impl=impl,
         scale=0.11,
-        schedule=decode.plan(args[-1], num_programs=3, block_k=32),
+        schedule=decode.schedule_splits(args[-1], num_programs=3, block_k=32),
         config=dataclasses.replace(decode.DecodeConfig.for_shape(16, 7), block_k=32, **variant),
     )
     _check(got, _expected(*args, 0.11), args[-1], dtype)
@@ -137,7 +137,7 @@ def test_any_heads_and_widths(rng, n, lkv, r, impl):
         args,
         impl=impl,
         scale=0.2,
-        schedule=decode.plan(args[-1], num_programs=5, block_k=32, num_items=9),
+        schedule=decode.schedule_splits(args[-1], num_programs=5, block_k=32, num_items=9),
         config=dataclasses.replace(decode.DecodeConfig.for_shape(n, 4), block_k=32),
     )
     _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
@@ -154,7 +154,7 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
     config = dataclasses.replace(decode.DecodeConfig.for_shape(n, 5), block_h=block_h, block_k=32)
     kw = dict(scale=0.2, config=config)
     if num_programs:
-        kw["schedule"] = decode.plan(
+        kw["schedule"] = decode.schedule_splits(
             args[-1],
             num_programs=num_programs,
             block_k=32,
@@ -195,7 +195,7 @@ def test_deepseek_scale_compiled(rng, n):
         dtype=jnp.bfloat16,
         scale=0.07,
         config=config,
-        schedule=decode.plan(args[-1], num_programs=programs, block_k=config.block_k),
+        schedule=decode.schedule_splits(args[-1], num_programs=programs, block_k=config.block_k),
     )
     _check(got, _expected(*args, 0.07), args[-1], jnp.bfloat16)
 
@@ -204,7 +204,7 @@ def test_plan_balances_tokens():
     """Programs get equal token shares (to a block, and a 10% snap onto request
     boundaries); each request's items tile it in order."""
     lens = np.array([16384, 10, 0, 3000, 1, 700])
-    s = decode.plan(lens, num_programs=32, block_k=64)
+    s = decode.schedule_splits(lens, num_programs=32, block_k=64)
     size = s.item_end - s.item_start
     per_prog = [size[s.prog_items[p] : s.prog_items[p + 1]].sum() for p in range(32)]
     share = int(np.ceil(lens.sum() / 32 / 64)) * 64

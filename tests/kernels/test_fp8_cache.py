@@ -149,7 +149,7 @@ def test_fp8_lengths_and_block_sizes(rng, block_size, impl, variant):
         args,
         impl=impl,
         scale=0.11,
-        schedule=decode.plan(args[-1], num_programs=3, block_k=32),
+        schedule=decode.schedule_splits(args[-1], num_programs=3, block_k=32),
         config=dataclasses.replace(decode.DecodeConfig.for_shape(16, 7), block_k=32, **variant),
     )
     _check(got, args, dequantized, 0.11)
@@ -161,7 +161,7 @@ def test_fp8_deepseek_dims(rng, impl):
     16), split requests."""
     args, dequantized = _fp8_case(rng, [70, 1, 129, 0], n=24, lkv=512, r=64, block_size=64)
     config = dataclasses.replace(decode.DecodeConfig.for_shape(24, 4), block_k=32)
-    schedule = decode.plan(args[-1], num_programs=5, block_k=32, num_items=9)
+    schedule = decode.schedule_splits(args[-1], num_programs=5, block_k=32, num_items=9)
     got = _run(args, impl=impl, scale=0.07, config=config, schedule=schedule)
     _check(got, args, dequantized, 0.07)
 
@@ -184,7 +184,7 @@ def test_fp8_deepseek_scale_compiled(rng, n, variant):
     lens[:3] = [4096, 1, 64]
     args, dequantized = _fp8_case(rng, lens, n=n, lkv=512, r=64, block_size=64)
     config = dataclasses.replace(decode.DecodeConfig.for_shape(n, 64), **variant)
-    schedule = decode.plan(
+    schedule = decode.schedule_splits(
         args[-1], num_programs=decode.num_programs(config, n), block_k=config.block_k
     )
     got = _run(args, impl="pallas", scale=0.07, config=config, schedule=schedule)
