@@ -28,6 +28,7 @@ from mla_jax.cache.metadata import (
     Buckets,
     MetadataError,
     build_validated,
+    is_decode,
     validate_step,
 )
 
@@ -99,7 +100,7 @@ def packed_metadata(
     context_lens, query_lens, block_table = validate_step(
         context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False
     )
-    order = np.argsort(query_lens != 1, kind="stable")
+    order = np.argsort(~is_decode(query_lens), kind="stable")
     kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads)
     attention = build_validated(
         context_lens[order],

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mla_jax.cache.latent_cache import BlockAllocator
+from mla_jax.cache.metadata import is_decode
 from mla_jax.engine.request import Request
 
 
@@ -33,8 +34,9 @@ class Scheduled(NamedTuple):
 
     @property
     def is_decode(self) -> bool:
-        """One token: a decode (a 1-token prompt chunk runs as one too)."""
-        return self.count == 1
+        """One token: a decode (``metadata.is_decode``; a 1-token prompt chunk runs as one
+        too)."""
+        return is_decode(self.count)
 
 
 class Scheduler:
@@ -138,7 +140,7 @@ class Scheduler:
             if (
                 budget
                 and req.wants_tokens
-                and req.num_tokens - req.num_computed == 1
+                and is_decode(req.num_tokens - req.num_computed)
                 and req not in preempted
             ):
                 add(req, 1, preempt=True)
@@ -149,7 +151,7 @@ class Scheduler:
                 # What the free blocks hold, or else a block's worth made free.
                 n = fitting(req)
                 n = n if n > 0 else min(left, budget, self.block_size)
-                chunks += add(req, n, preempt=True) and n > 1
+                chunks += add(req, n, preempt=True) and not is_decode(n)
         while (
             waiting and budget and chunks < self.prefill_slots and len(running) < self.max_num_seqs
         ):
@@ -157,8 +159,8 @@ class Scheduler:
             if n <= 0 or not add(waiting[0], n, preempt=False):
                 break
             running.append(waiting.popleft())
-            chunks += n > 1
-        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
+            chunks += not is_decode(n)
+        batch.sort(key=lambda rn: not is_decode(rn[1]))  # stable: 1-token chunks join the decodes
         scheduled = [
             Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
             for req, n in batch
