@@ -43,7 +43,7 @@ def select(impl: str | KernelSet = "auto") -> KernelSet:
     """``"pallas"``: the Pallas kernels (compiled through Triton on GPUs, interpreted
     elsewhere); ``"reference"``: the pure-jnp references; ``"auto"``: Pallas on GPUs, the
     references elsewhere (interpret mode is for tests, not speed); a ``KernelSet`` (e.g.
-    ``mla_jax.sharding.sharded_kernels``) is used as it is."""
+    ``mla_jax.parallel.sharding.sharded_kernels``) is used as it is."""
     if isinstance(impl, KernelSet):
         return impl
     if impl == "auto":

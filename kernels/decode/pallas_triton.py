@@ -85,9 +85,9 @@ class DecodeConfig:
         otherwise."""
         heads = padded_heads(num_heads)
         block_h = min(heads & -heads, 64)  # a power of two (Triton) that divides the heads
-        # Compute-bound 64-head blocks gain ~3% from unmasked full steps with the partial step
-        # in a branch; bandwidth-bound blocks lose 10-20% to that branch and keep one masked
-        # loop instead (H200, same-run A/B, 2026-11-22).
+        # Compute-bound 64-head blocks gain from unmasked full steps with the partial step in
+        # a branch; bandwidth-bound blocks lose more to that branch than they gain and keep
+        # one masked loop instead.
         if block_h == 64:
             config = cls(block_h, num_warps=8, split_tail=True)
         elif batch >= 32:

@@ -8,11 +8,10 @@ Rows are cut into tiles of ``block_m`` rows that never straddle two groups; the 
 schedule (``schedule_row_tiles``, the shared ``tiling`` planner) is built on the device with
 jnp under a static bound on the tile count (``tiling.max_tiles``), or on the host with NumPy.
 Each program computes one tile x ``block_n`` output columns, looping over K in steps of
-``block_k``. An empty group has no tile, so its
-weights are never read: at decode, where a few tokens pick a few experts, only the chosen
-experts' weights move. Unlike ``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul
-over every group (24 TFLOP/s where a dense matmul runs at 821, H100, jax 0.11.2), the work
-here is proportional to the rows.
+``block_k``. An empty group has no tile, so its weights are never read: at decode, where a
+few tokens pick a few experts, only the chosen experts' weights move. Unlike
+``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul over every group (every row
+times every group's matrix), the work here is proportional to the rows.
 
 Programs run n-block-fastest (grid ``(n_blocks, tiles)``): the programs in flight share a few
 row tiles (kept in L2 across their n-blocks) and one expert's weights (kept in L2 across its
@@ -54,9 +53,8 @@ class GroupedMatmulConfig:
         under jit). Few rows per group (decode: batch x top-k spread over the experts) is a
         stream of weights: 16-row tiles, so that one tile covers an expert's tokens and its
         weights are read once, with deep K steps and a deep pipeline. Many rows (prefill) is
-        compute: 128 x 128 tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py
-        --sweep``'s prefill variants on an H200, 2026-11-22: 468 TFLOP/s against 441 for
-        128 wide; its decode variants were within 3% of each other)."""
+        compute: 128-row tiles 256 columns wide (the fastest of ``scripts/bench_moe.py
+        --sweep``'s prefill variants; its decode variants ran about even)."""
         rows_per_group = num_rows / max(num_groups, 1)
         if rows_per_group <= 16:
             return cls(16, 128, 128, num_warps=4, num_stages=4)
