@@ -52,7 +52,7 @@ def multi_device(tmp_path_factory):
     transformers greedy tokens of each checkpoint)."""
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from test_hf import write_checkpoint
+    from hf_checkpoints import write_checkpoint
 
     rng = np.random.default_rng([_BASE_SEED, 12])
     prompts = [rng.integers(0, 96, n).tolist() for n in PROMPT_LENGTHS]
