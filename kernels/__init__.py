@@ -19,6 +19,11 @@ from . import decode, grouped_matmul, merge, prefill, tiling
 
 
 class KernelSet(NamedTuple):
+    """The kernels a model step calls, all Pallas or all references (``select``), or wrapped
+    (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
+    ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states`` and
+    ``grouped_matmul.grouped_matmul`` in turn (arrays, scale, causal, schedule)."""
+
     mla_decode: Callable
     flash_prefill: Callable
     merge_attn_states: Callable
@@ -97,6 +102,8 @@ class KernelPlan:
 
     @classmethod
     def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:
+        """The plan for ``device`` (default: the first one): its multiprocessor count, or an
+        H100's / H200's where it reports none (a CPU running the kernels interpreted)."""
         device = device or jax.devices()[0]
         return cls(num_heads, getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS)
 
