@@ -17,6 +17,16 @@ by no prefill: the decode step reads them all the same) so that they time decode
 ``--kv-cache-dtypes auto,fp8`` instead compares cache layouts (``serve_kv_cache_<model>``):
 the decode rows (default 256 x 4096) on an engine per cache dtype, and how many concurrent
 4096-token requests each layout fits in the memory of the first one's cache.
+
+``--prefix`` instead compares the engine with and without prefix caching
+(``serve_prefix_<model>``) on a shared-prefix workload (64 requests arriving together, a
+2048-token prefix shared, 128 tokens of their own, 64 new tokens) and a multi-turn one (16
+conversations of 4 turns, each turn's prompt the conversation so far): time to first token
+p50/p99, prefill tokens computed, hit rate, tokens/s. ``--model tiny --impl reference`` runs
+it small on a CPU (a check of the script; ``--no-publish --out DIR`` keeps it out of
+BENCHMARKS.md):
+
+    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite --prefix
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import json
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +49,8 @@ from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
 from flax import nnx
 
 from mla_jax.cache.latent_cache import cache_dtype
+from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine import compilation
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.config import ModelConfig, preset
 from mla_jax.model.deepseek import DeepseekModel
@@ -93,7 +106,38 @@ MIXED_MAX_PROMPT = 4000
 CAPACITY_TOKENS = 4096  # the request length the cache-layout comparison counts
 
 
+class PrefixWorkloads(NamedTuple):
+    """The sizes of the prefix-caching workloads (tokens, random ids)."""
+
+    shared_requests: int  # shared-prefix: requests arriving together
+    shared_prefix: int  # the prefix they share
+    own_tokens: int  # then each request's own tokens
+    shared_new_tokens: int  # tokens each generates
+    conversations: int  # multi-turn: conversations, each turn of all of them arriving together
+    turns: int
+    first_message: int  # a conversation's first prompt
+    user_message: int  # a later turn's new tokens, after the previous answer
+    answer_tokens: int  # tokens generated each turn
+
+
+PREFIX_WORKLOADS = PrefixWorkloads(64, 2048, 128, 64, 16, 4, 1024, 256, 64)
+TINY_PREFIX_WORKLOADS = PrefixWorkloads(8, 128, 16, 8, 4, 3, 64, 16, 8)
+PREFIX_COLUMNS = [
+    "workload",
+    "prefix caching",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "prompt tokens",
+    "prefill tokens computed",
+    "hit rate",
+    "output tok/s",
+    "prompt + output tok/s",
+]
+
+
 def _engine_config(**overrides) -> EngineConfig:
+    """The serving table's engine. Prefix caching is off: its workloads share no prefix, and
+    the decode rows' contexts are zero rows, not the cache of any tokens."""
     base = dict(
         block_size=PAGE,
         num_blocks=256 * (4096 + 2 * DECODE_STEPS + PAGE) // PAGE + 64,
@@ -102,6 +146,7 @@ def _engine_config(**overrides) -> EngineConfig:
         workspace_size=32768,
         max_model_len=8192,
         impl="pallas",
+        enable_prefix_caching=False,
     )
     return EngineConfig(**{**base, **overrides})
 
@@ -209,6 +254,9 @@ def _decode_row(engine, model, bandwidth, batch, context) -> dict:
 
 
 def _run_requests(engine: Engine, requests: list[Request]) -> dict:
+    """``requests`` run to completion, arriving together: seconds (compiling excluded),
+    prompt tokens computed and taken from the prefix cache, tokens generated, each
+    request's time to first token and the percentiles of it and of inter-token latency."""
     stats = engine.stats
     before = dataclasses.replace(stats)
     start = time.perf_counter()
@@ -223,7 +271,9 @@ def _run_requests(engine: Engine, requests: list[Request]) -> dict:
     return dict(
         run_s=run_s,
         prompt=prompt,
+        cached=stats.cached_prompt_tokens - before.cached_prompt_tokens,
         generated=generated,
+        ttft_s=ttft,
         ttft_ms=np.percentile(ttft, [50, 99]) * 1e3,
         itl_ms=np.percentile(itl, [50, 99]) * 1e3 if itl.size else [np.nan, np.nan],
     )
@@ -302,9 +352,152 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
     )
 
 
-def main():
+PREFIX_KINDS = ("shared", "multi-turn")
+
+
+def _shared_prefix(engine: Engine, w: PrefixWorkloads, vocab: int) -> dict:
+    """The shared-prefix workload's requests, arriving together (``_run_requests``)."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, vocab, w.shared_prefix).tolist()
+    requests = [
+        Request(
+            prefix + rng.integers(0, vocab, w.own_tokens).tolist(),
+            w.shared_new_tokens,
+            ignore_eos=True,
+        )
+        for _ in range(w.shared_requests)
+    ]
+    return _run_requests(engine, requests)
+
+
+def _multi_turn(engine: Engine, w: PrefixWorkloads, vocab: int) -> dict:
+    """The multi-turn workload: each turn, every conversation's prompt (the conversation so
+    far, then a new message) arrives together; ``_run_requests``' sums over the turns, and
+    every request's time to first token from its own turn's start."""
+    rng = np.random.default_rng(2)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(0, vocab, n).tolist()
+
+    conversations = [tokens(w.first_message) for _ in range(w.conversations)]
+    turns = []
+    for turn in range(w.turns):
+        if turn:
+            conversations = [c + tokens(w.user_message) for c in conversations]
+        requests = [Request(c, w.answer_tokens, ignore_eos=True) for c in conversations]
+        turns.append(_run_requests(engine, requests))
+        conversations = [c + r.output_ids for c, r in zip(conversations, requests, strict=True)]
+    summed = {key: sum(t[key] for t in turns) for key in ("run_s", "prompt", "cached", "generated")}
+    return {**summed, "ttft_s": [ttft for t in turns for ttft in t["ttft_s"]]}
+
+
+def _prefix_row(label: str, caching: bool, run: dict) -> dict:
+    ttft_ms = np.asarray(run["ttft_s"]) * 1e3
+    prompt = run["prompt"] + run["cached"]
+    p50, p99 = np.percentile(ttft_ms, [50, 99])
+    return {
+        "cells": [
+            label,
+            "on" if caching else "off",
+            round(float(p50), 1),
+            round(float(p99), 1),
+            prompt,
+            run["prompt"],
+            f"{run['cached'] / prompt:.1%}",
+            round(run["generated"] / run["run_s"], 1),
+            round((prompt + run["generated"]) / run["run_s"], 1),
+        ],
+        "run_s": round(run["run_s"], 3),
+        "cached_prompt_tokens": run["cached"],
+        "ttft_ms": [round(float(t), 1) for t in ttft_ms],
+    }
+
+
+def _prefix_comparison(args, model, model_cfg) -> str:
+    """The prefix-caching table: each of ``args.prefix``'s workloads on an engine without
+    prefix caching and one with it (both precompiled: no compilation in the times)."""
+    tiny = args.model == "tiny"
+    w = TINY_PREFIX_WORKLOADS if tiny else PREFIX_WORKLOADS
+    settings = dict(
+        block_size=16 if tiny else PAGE,
+        num_blocks=128 if tiny else 4096,
+        max_num_seqs=16 if tiny else 64,
+        max_num_batched_tokens=512 if tiny else 8192,
+        max_num_prefills=8 if tiny else 16,
+        workspace_size=2048 if tiny else 32768,
+        max_model_len=256 if tiny else 4096,
+        impl=args.impl,
+    )
+    labels = {
+        "shared": f"shared prefix: {w.shared_requests} requests, {w.shared_prefix} shared + "
+        f"{w.own_tokens} own tokens, {w.shared_new_tokens} new",
+        "multi-turn": f"multi-turn: {w.conversations} conversations x {w.turns} turns "
+        f"({w.first_message} tokens, then {w.answer_tokens} answer + {w.user_message} new a "
+        "turn)",
+    }
+    runs = {"shared": _shared_prefix, "multi-turn": _multi_turn}
+    kinds = args.prefix.split(",")
+    measured = {}
+    compilation.enable_cache()  # the second engine loads the first's programs
+    for caching in (False, True):
+        engine = Engine(model, _engine_config(**settings, enable_prefix_caching=caching), log=print)
+        engine.precompile()
+        for kind in kinds:
+            run = runs[kind](engine, w, model_cfg.vocab_size)
+            measured[kind, caching] = _prefix_row(labels[kind], caching, run)
+            print(measured[kind, caching], flush=True)
+        del engine
+    mla = model_cfg.mla
+    notes = [
+        f"{model_cfg.num_layers} layers, hidden {mla.hidden_size}, {mla.num_heads} heads, "
+        f"random bf16 weights, {args.impl} kernels, asynchronous scheduling; page "
+        f"{settings['block_size']}, {settings['max_num_batched_tokens']} tokens and up to "
+        f"{settings['max_num_prefills']} prompt chunks a step, {settings['max_num_seqs']} "
+        f"requests running at most, {settings['num_blocks']} cache blocks; every program "
+        "compiled before the runs.",
+        "Prompts are random token ids, answers ignore EOS; both engines get the same prompts "
+        "(multi-turn: of the same lengths, each turn after the engine's own answers). "
+        "Requests of a workload (of a turn, in the multi-turn one) arrive together. "
+        "With caching, a request computes only what no earlier request left in the cache: "
+        "requests admitted in the first steps compute the shared prefix each.",
+        "TTFT: from the generate call's start to the host reading the request's first token "
+        "(multi-turn: over every turn's requests, each from its turn's start). Prefill tokens "
+        "computed: prompt tokens run through the model; hit rate: prompt tokens taken from "
+        "the cache / prompt tokens. Tokens/s: per second of the whole run.",
+    ]
+    return save(
+        f"serve_prefix_{args.model}",
+        f"Serving: prefix caching on a {args.model}-shaped model (Engine.generate)",
+        PREFIX_COLUMNS,
+        [measured[kind, caching] for kind in kinds for caching in (False, True)],
+        notes,
+        extra={
+            "model": dataclasses.asdict(model_cfg),
+            "workloads": w._asdict(),
+            "settings": settings,
+            "machine": machine(),
+        },
+        out_dir=args.out,
+        publish=not args.no_publish,
+    )
+
+
+def _prefix_kinds(text: str) -> str:
+    """``--prefix shared,multi-turn``: names of PREFIX_KINDS, none repeated."""
+    kinds = [kind.strip() for kind in text.split(",")]
+    bad = [kind for kind in kinds if kind not in PREFIX_KINDS]
+    if bad or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want a comma-separated subset of {','.join(PREFIX_KINDS)}"
+        )
+    return ",".join(kinds)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
+    ap.add_argument(
+        "--model", choices=[*sorted(MODELS), "tiny"], default="v2-lite", help="tiny: --prefix only"
+    )
     ap.add_argument("--layers", type=int, help="override the model's depth")
     ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
     ap.add_argument("--rows", default="decode,prefill,mixed")
@@ -314,16 +507,42 @@ def main():
         help="e.g. auto,fp8: compare cache layouts on the decode rows (default 256x4096) "
         "instead of the serving table",
     )
+    ap.add_argument(
+        "--prefix",
+        type=_prefix_kinds,
+        nargs="?",
+        const=",".join(PREFIX_KINDS),
+        help="compare prefix caching on and off on these workloads (default: all of "
+        f"{','.join(PREFIX_KINDS)}) instead of the serving table",
+    )
+    ap.add_argument(
+        "--impl", choices=["pallas", "reference"], default="pallas", help="kernels (--prefix)"
+    )
     ap.add_argument("--out")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--no-publish",
+        action="store_true",
+        help="write the JSON only under --out (a trial run: benchmarks/ and the page untouched)",
+    )
+    args = ap.parse_args(argv)
     for dtype in (args.kv_cache_dtypes or "auto").split(","):
         try:
             cache_dtype(dtype, jnp.bfloat16)
         except ValueError as e:
             ap.error(f"--kv-cache-dtypes: {e}")
-    model_cfg = MODELS[args.model]
+    if args.no_publish and not args.out:
+        ap.error("--no-publish needs --out")
+    if args.model == "tiny" and not args.prefix:
+        ap.error("--model tiny runs only --prefix")
+    if args.impl != "pallas" and not args.prefix:
+        ap.error("--impl reference runs only --prefix (the serving table times the kernels)")
+    model_cfg = TINY if args.model == "tiny" else MODELS[args.model]
     if args.layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
+    if args.prefix:
+        model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        _prefix_comparison(args, model, model_cfg)
+        return
     bandwidth = copy_bandwidth().gbs
     model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     weight_bytes = _weight_bytes(model, 1)

@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
         help="data parallel attention: this many ranks (of --tp devices each), each running "
         "its own requests over its own part of the cache",
     )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt whole (default: a prompt starts from the longest prefix an "
+        "earlier request left in the cache)",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--output", help="write the result JSON here")
     return ap
@@ -168,6 +174,7 @@ def _engine_config(
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel=args.tp,
             data_parallel=args.dp,
+            enable_prefix_caching=not args.no_prefix_caching,
         )
     except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
         ap.error(str(e))
@@ -245,10 +252,12 @@ def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
 
 def _summary(stats: dict) -> str:
     """The run's step statistics in one line."""
-    first = stats["first_token_s"]
+    first, hit_rate = stats["first_token_s"], stats["prefix_cache_hit_rate"]
+    hits = "" if hit_rate is None else f", prefix cache hit rate {hit_rate:.1%}"
     return (
-        f"{stats['steps']} steps, {stats['prompt_tokens']} prompt + "
-        f"{stats['generated_tokens']} generated tokens, {stats['tokens_per_s']} tok/s after "
+        f"{stats['steps']} steps, {stats['prompt_tokens']} prompt tokens computed + "
+        f"{stats['cached_prompt_tokens']} cached{hits}, {stats['generated_tokens']} generated "
+        f"tokens, {stats['tokens_per_s']} tok/s after "
         f"{stats['compile_s']} s on {stats['programs']} programs "
         f"({stats['programs_from_cache']} from the compilation cache); first token after "
         f"{first} s; decode step {stats['decode_step_ms']} ms (host "

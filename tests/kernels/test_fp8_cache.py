@@ -324,7 +324,7 @@ def test_engine_serves_from_an_fp8_cache(tiny, rng):
         engine.precompile([[(20, 1), (20, 1), (0, 20)]])
         assert all(part.is_deleted() for part in first)  # donated, not copied
         requests = engine.generate([Request(p, 24, ignore_eos=True) for p in prompts])
-        assert engine.schedulers[0].allocator.num_free == 6 and engine.stats.preemptions > 0
+        assert engine.schedulers[0].block_manager.num_free == 6 and engine.stats.preemptions > 0
         return [r.output_ids for r in requests]
 
     want = run(False)
