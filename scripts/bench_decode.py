@@ -33,7 +33,7 @@ from benchlib import (
     time_us,
 )
 
-from mla_jax.kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels import KernelPlan, decode, fp8
 
 SCALE = 192**-0.5
 
@@ -127,9 +127,11 @@ def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, qua
     arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     if quantized:
         arg_sets = [(*a[:2], _quantized(a[2], lkv), *a[3:]) for a in arg_sets]
-    config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
-    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=config.block_k)
+    )
     # The schedule is an argument (as it is in the model), not a constant baked in.
     kernel = jax.jit(
         lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
@@ -152,7 +154,7 @@ def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, qua
         "timing": timing,
     }
     if with_reference:
-        ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
+        ref = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))
         out, lse = kernel(*arg_sets[0])
         want, want_lse = ref(*arg_sets[0][:5])
         err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(
@@ -178,7 +180,7 @@ def _ragged(rng, sizes: Sizes):
     ]
 
 
-# The variants behind kernels.decode.default_config (each on top of the default).
+# The variants behind DecodeConfig.for_shape (each on top of its choice).
 SWEEP = {
     16: [
         {},

@@ -145,7 +145,7 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
     errors = {}
     for per_expert in (6, 48, 160):
         rows = per_expert * num_experts
-        config = gm.default_config(rows, num_experts)
+        config = gm.GroupedMatmulConfig.for_shape(rows, num_experts)
         sizes = np.random.default_rng(per_expert).multinomial(
             rows, np.ones(num_experts) / num_experts
         )
@@ -155,7 +155,7 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
         rhs = layer.module.experts.gate_up_proj[:num_experts]
         group_sizes = jnp.asarray(sizes, jnp.int32)
         got = gm.grouped_matmul(lhs, rhs, group_sizes)
-        want = kernels.reference.grouped_matmul(lhs, rhs, group_sizes)
+        want = kernels.REFERENCE.grouped_matmul(lhs, rhs, group_sizes)
         errors[f"block_m={config.block_m}"] = _rel_err(got, want)
     return errors
 
@@ -236,7 +236,7 @@ def prefill_case(layer: Layer, tokens: int, grouped_matmul=None) -> dict:
     return result
 
 
-# Launch variants around gm.default_config: decode (16-row tiles) and prefill (128-row).
+# Launch variants around GroupedMatmulConfig.for_shape: decode (16-row tiles) and prefill (128-row).
 SWEEP = {
     "decode": [
         gm.GroupedMatmulConfig(16, 128, 128, 4, 4),
@@ -265,7 +265,7 @@ def _sweep(out_dir, sizes: Sizes):
         return prefill_case(layer, tokens, grouped_matmul=gmm)
 
     trials = [
-        ({"case": kind}, config._asdict(), functools.partial(trial, kind, config))
+        ({"case": kind}, dataclasses.asdict(config), functools.partial(trial, kind, config))
         for kind, configs in SWEEP.items()
         for config in configs
     ]

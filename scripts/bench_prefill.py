@@ -32,7 +32,7 @@ from flax import nnx
 
 from mla_jax.cache.metadata import build_metadata
 from mla_jax.checkpoint.tiny import TINY
-from mla_jax.kernels import KernelPlan, merge, prefill, reference
+from mla_jax.kernels import KernelPlan, merge, prefill
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import MLAConfig, preset
 
@@ -106,15 +106,14 @@ def _qkv(key, t, n, sizes: Sizes):
 
 
 def _pallas(lens, n, sizes: Sizes, variant=None):
-    variant = dict(variant or {})
-    block_q = variant.pop("block_q", prefill.DEFAULT_BLOCK_Q)
+    config = prefill.PrefillConfig(**(variant or {}))
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    schedule = jax.device_put(prefill.plan(cu, int(cu[-1]), block_q))
+    schedule = jax.device_put(prefill.schedule_query_tiles(cu, int(cu[-1]), config.block_q))
     cu = jnp.asarray(cu)
     # Offsets and schedule are arguments (as they are in the model), not baked-in constants.
     f = jax.jit(
         lambda q, k, v, cu, schedule: prefill.flash_prefill(
-            q, k, v, cu, cu, scale=sizes.scale, causal=True, schedule=schedule, **variant
+            q, k, v, cu, cu, scale=sizes.scale, causal=True, schedule=schedule, config=config
         )
     )
     return lambda q, k, v: f(q, k, v, cu, schedule)
@@ -248,7 +247,7 @@ def merge_row(copy, sizes: Sizes):
     )
     nbytes = 3 * t * n * d * 2 + 3 * t * n * 4
     pallas = time_us(jax.jit(merge.merge_attn_states), [args])
-    xla = time_us(jax.jit(reference.merge_attn_states), [args])
+    xla = time_us(jax.jit(merge.reference.merge_attn_states), [args])
     gbs = nbytes / pallas.us / 1e3
     cells = [
         f"{t} x {n} x {d}",
@@ -260,7 +259,7 @@ def merge_row(copy, sizes: Sizes):
     return [row(cells, pallas=pallas, xla_reference=xla)]
 
 
-# The variants behind the kernels.prefill defaults.
+# The variants behind the PrefillConfig defaults.
 SWEEP = [
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2),

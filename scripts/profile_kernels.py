@@ -34,8 +34,7 @@ def _decode(n: int, b: int, ctx: int):
     pages = b * -(-ctx // 64)
     lens = np.full(b, ctx, np.int32)
     table = np.random.default_rng(0).permutation(pages).reshape(b, -1).astype(np.int32)
-    plan = KernelPlan.for_device(n)
-    schedule = decode.plan(lens, num_programs=plan.decode_programs(b), block_k=64)
+    schedule = KernelPlan.for_device(n).decode_schedule(lens)
     f = jax.jit(functools.partial(decode.mla_decode, scale=0.07, schedule=schedule))
     args = (
         jax.random.normal(ks[0], (b, n, 512), jnp.bfloat16),

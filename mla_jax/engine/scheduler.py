@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mla_jax.cache.block_manager import BlockManager
+from mla_jax.cache.metadata import is_decode
 from mla_jax.engine.request import Request
 
 
@@ -39,8 +40,9 @@ class Scheduled(NamedTuple):
 
     @property
     def is_decode(self) -> bool:
-        """One token: a decode (a 1-token prompt chunk runs as one too)."""
-        return self.count == 1
+        """One token: a decode (``metadata.is_decode``; a 1-token prompt chunk runs as one
+        too)."""
+        return is_decode(self.count)
 
 
 class Scheduler:
@@ -178,7 +180,7 @@ class Scheduler:
             if (
                 budget
                 and req.wants_tokens
-                and req.num_tokens - req.num_computed == 1
+                and is_decode(req.num_tokens - req.num_computed)
                 and req not in preempted
             ):
                 add(req, 1, preempt=True)
@@ -189,7 +191,7 @@ class Scheduler:
                 # What the free blocks hold, or else a block's worth made free.
                 n = fitting(req)
                 n = n if n > 0 else min(left, budget, self.block_size)
-                chunks += add(req, n, preempt=True) and n > 1
+                chunks += add(req, n, preempt=True) and not is_decode(n)
         while (
             waiting and budget and chunks < self.prefill_slots and len(running) < self.max_num_seqs
         ):
@@ -202,8 +204,8 @@ class Scheduler:
                 break
             running.append(waiting.popleft())
             self.cached_prompt_tokens += min(cached, len(req.prompt_ids))
-            chunks += n > 1
-        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
+            chunks += not is_decode(n)
+        batch.sort(key=lambda rn: not is_decode(rn[1]))  # stable: 1-token chunks join the decodes
         scheduled = [
             Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
             for req, n in batch
