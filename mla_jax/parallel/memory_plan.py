@@ -50,6 +50,18 @@ GIB = 1 << 30
 # The block scales DeepSeek's FP8 checkpoints use, for a config that has none.
 DEEPSEEK_FP8 = FP8BlockQuantization((128, 128))
 _ROUTED_EXPERTS = (("experts", "gate_up_proj"), ("experts", "down_proj"))
+# The decoder layers' nnx.Linear modules (attention, dense MLP, shared experts).
+_PROJECTIONS = (
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 class Node(NamedTuple):
@@ -130,12 +142,12 @@ class Tensor(NamedTuple):
 
 def is_fp8_weight(path: Sequence[str]) -> bool:
     """Whether DeepSeek's FP8 checkpoints store the parameter at ``path`` as FP8 with block
-    scales: every ``*_proj`` kernel of the decoder layers (attention, dense MLP, shared
-    experts) and the routed experts; not the router, norms, embedding or ``lm_head``."""
+    scales: every projection of the decoder layers (attention, dense MLP, shared experts)
+    and the routed experts; not the router, norms, embedding or ``lm_head``."""
     path = tuple(path)
     if path[0] != "layers":
         return False
-    return path[-2:] in _ROUTED_EXPERTS or (path[-1] == "kernel" and path[-2].endswith("_proj"))
+    return path[-2:] in _ROUTED_EXPERTS or (path[-1] == "kernel" and path[-2] in _PROJECTIONS)
 
 
 def fp8_scale_shape(
