@@ -89,6 +89,12 @@ class Layout:
     tensor_parallel: int
     experts_over_all_ranks: bool = False
 
+    def __post_init__(self):
+        for name in ("data_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
     @property
     def devices(self) -> int:
         return self.data_parallel * self.tensor_parallel

@@ -208,3 +208,10 @@ def test_fp8_weight_split_off_block_edges_is_refused():
     # 4 devices: the 6 scale columns do not split at all.
     with pytest.raises(ValueError, match=r"q_b_proj/kernel_scale_inv \[1, 2, 6\] does not split"):
         memory_plan.weight_bytes([weight, scale], Layout(1, 4), quantization)
+
+
+@pytest.mark.parametrize("field", ["data_parallel", "tensor_parallel"])
+def test_layout_refuses_a_bad_size(field):
+    sizes = {"data_parallel": 2, "tensor_parallel": 4, field: 0}
+    with pytest.raises(ValueError, match=f"^{field} must be an integer >= 1, got 0$"):
+        Layout(**sizes)
