@@ -1,4 +1,4 @@
-"""MLA attention kernels and the MoE grouped matmul: Pallas (Triton lowering on GPU, interpret
+"""MLA attention kernels, the MoE grouped matmul and the FP8 weight-only matmul: Pallas (Triton lowering on GPU, interpret
 mode elsewhere) and their pure-jnp references, behind one selector, plus the host-side plan
 the Pallas kernels' schedules are built with.
 
@@ -15,19 +15,21 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import decode, grouped_matmul, merge, prefill, tiling
+from . import decode, fp8_matmul, grouped_matmul, merge, prefill, tiling
 
 
 class KernelSet(NamedTuple):
     """The kernels a model step calls, all Pallas or all references (``select``), or wrapped
     (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
-    ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states`` and
-    ``grouped_matmul.grouped_matmul`` in turn (arrays, scale, causal, schedule)."""
+    ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
+    ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
+    causal, schedule, FP8 weights' scales and blocks)."""
 
     mla_decode: Callable
     flash_prefill: Callable
     merge_attn_states: Callable
     grouped_matmul: Callable
+    fp8_matmul: Callable
 
 
 REFERENCE = KernelSet(
@@ -35,12 +37,14 @@ REFERENCE = KernelSet(
     prefill.reference.flash_prefill,
     merge.reference.merge_attn_states,
     grouped_matmul.reference.grouped_matmul,
+    fp8_matmul.reference.fp8_matmul,
 )
 PALLAS = KernelSet(
     decode.mla_decode,
     prefill.flash_prefill,
     merge.merge_attn_states,
     grouped_matmul.grouped_matmul,
+    fp8_matmul.fp8_matmul,
 )
 
 

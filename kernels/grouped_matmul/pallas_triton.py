@@ -29,10 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import online_softmax, tiling
-
-# The smallest tile along any dot dimension (a Triton dot operand is at least 16 wide).
-_MIN_TILE = 16
+from .. import fp8_blocks, matmul_steps, online_softmax, tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,72 +81,73 @@ def _grouped_matmul_kernel(
     group_offset_ref,
     lhs_ref,
     rhs_ref,
-    out_ref,
-    *,
+    *rest,
     num_groups: int,
+    depth: int,
+    width: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    blocks: fp8_blocks.Fp8Blocks | None,
 ):
-    """One row tile x ``block_n`` output columns."""
+    """One row tile x ``block_n`` output columns (``rest``: rhs's scales with ``blocks``,
+    then the output)."""
+    scale_ref, out_ref = rest if blocks is not None else (None, *rest)
     j, t = pl.program_id(0), pl.program_id(1)
-    _, depth, width = rhs_ref.shape
     g, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
-    # store zeros where they own rows; no weight of any group is read for them.
+    # store zeros where they own rows; no weight (or scale) of any group is read for them.
     has_group = (g < num_groups) & (r0 < r1)
     g = group_offset_ref[0] + jnp.minimum(g, num_groups - 1)
-    rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
-    row_ok = rows < r1
+    row_ok = r0 + jnp.arange(block_m, dtype=jnp.int32) < r1
     n0 = j * block_n
-    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
-    col_ok = cols < width
-
-    def step(s, acc, *, tail: bool):
-        """One ``block_k`` slice of the reduction; ``tail``: the last, partial slice."""
-        k0 = s * block_k
-        lhs_mask = row_ok[:, None]
-        rhs_mask = col_ok[None, :] if width % block_n else None
-        if tail:
-            k_ok = k0 + jnp.arange(block_k, dtype=jnp.int32) < depth
-            lhs_mask = lhs_mask & k_ok[None, :]
-            rhs_mask = k_ok[:, None] if rhs_mask is None else rhs_mask & k_ok[:, None]
-        a = plgpu.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0)
-        b_ref = rhs_ref.at[g, pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=0)
-        return acc + online_softmax.dot(a, b)
-
-    # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and
-    # a Python int beside a weakly typed jnp.where lowered to mixed ones.
-    full_steps = depth // block_k
-    zero = jnp.int32(0)
-    acc = jnp.zeros((block_m, block_n), jnp.float32)
-    acc = jax.lax.fori_loop(
-        zero,
-        jnp.where(has_group, jnp.int32(full_steps), zero),
-        functools.partial(step, tail=False),
-        acc,
+    steps = jnp.int32(pl.cdiv(depth, block_k))
+    acc = matmul_steps.accumulate(
+        lhs_ref,
+        rhs_ref,
+        scale_ref,
+        r0=r0,
+        row_ok=row_ok,
+        n0=n0,
+        lead=(g,),
+        begin=jnp.int32(0),
+        end=jnp.where(has_group, steps, jnp.int32(0)),
+        depth=depth,
+        width=width,
+        block_k=block_k,
+        block_n=block_n,
+        blocks=blocks,
     )
-    if depth % block_k:
-        acc = jax.lax.fori_loop(
-            jnp.int32(full_steps),
-            jnp.where(has_group, jnp.int32(full_steps + 1), jnp.int32(full_steps)),
-            functools.partial(step, tail=True),
-            acc,
-        )
+    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     plgpu.store(
         out_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
         acc.astype(out_ref.dtype),
-        mask=row_ok[:, None] & col_ok[None, :],
+        mask=row_ok[:, None] & (cols < width)[None, :],
     )
 
 
-def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset) -> None:
+def check(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset,
+    rhs_scale_inv: jax.Array | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
+) -> None:
+    """The kernel's (and its reference's) input checks: ValueError in one line naming the
+    argument."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"lhs {lhs.shape} must be [M, K] and rhs {rhs.shape} [G, K, N]")
-    if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float32):
+    if lhs.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"lhs must be bfloat16 or float32, got {lhs.dtype}")
+    if (rhs_scale_inv is None) != (blocks is None):
+        raise ValueError("rhs_scale_inv and blocks go together (an FP8 rhs needs both)")
+    if blocks is not None:
+        blocks.check(rhs, rhs_scale_inv, "rhs")
+    elif rhs.dtype != lhs.dtype:
         raise ValueError(
-            f"lhs and rhs must both be bfloat16 or float32, got {lhs.dtype}, {rhs.dtype}"
+            f"rhs must be lhs's dtype {lhs.dtype} (or float8_e4m3fn with rhs_scale_inv), got "
+            f"{rhs.dtype}"
         )
     if (
         group_sizes.ndim != 1
@@ -184,6 +182,8 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     group_offset: int | jax.Array = 0,
+    rhs_scale_inv: jax.Array | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
     schedule: tiling.TileSchedule | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool | None = None,
@@ -192,12 +192,15 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` rows sorted by group (bf16 or f32).
-      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype; group g's rows
-        multiply ``rhs[group_offset + g]``.
+      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype, or float8_e4m3fn
+        with ``rhs_scale_inv``; group g's rows multiply ``rhs[group_offset + g]``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
         A stacked model passes every layer's experts (``[L * E, K, N]``, a free reshape) and
         ``layer * E``: slicing one layer's experts out under a scan would copy them each step.
+      rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', cdiv(K, block_in),
+        ...]`` (``fp8_blocks.Fp8Blocks.scale_shape``); each weight tile is dequantized into
+        lhs's dtype in registers. blocks: their block sizes (static).
       schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
         ``config.block_m``); None plans them on the device, up to the static bound
         ``tiling.max_tiles``.
@@ -208,7 +211,7 @@ def grouped_matmul(
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
       of group g, 0 for the rows after the last group.
     """
-    _check(lhs, rhs, group_sizes, group_offset)
+    check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()
     config = config or GroupedMatmulConfig.for_shape(lhs.shape[0], group_sizes.shape[0])
@@ -216,22 +219,27 @@ def grouped_matmul(
         config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     return _grouped_matmul(
-        lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        rhs_scale_inv,
+        schedule,
+        blocks=blocks,
+        config=config,
+        interpret=interpret,
     )
 
 
-def _fit(block: int, dim: int) -> int:
-    """``block`` shrunk to the largest power of two <= ``dim`` (at least 16), so that a block
-    never outgrows its axis; an axis under 16 is zero-padded to 16."""
-    return max(_MIN_TILE, min(block, 1 << (dim.bit_length() - 1)))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, interpret):
+@functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
+def _grouped_matmul(
+    lhs, rhs, group_sizes, group_offset, rhs_scale_inv, schedule, *, blocks, config, interpret
+):
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
     n = rhs.shape[2]
-    block_n, block_k = _fit(config.block_n, n), _fit(config.block_k, k)
+    block_n = matmul_steps.fit_block(config.block_n, n)
+    block_k = matmul_steps.fit_block(config.block_k, k)
     if schedule is None:
         schedule = schedule_row_tiles(
             group_sizes,
@@ -244,23 +252,36 @@ def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, in
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
-    lhs = online_softmax.pad_to(lhs, (rows, max(k, _MIN_TILE)))
-    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, _MIN_TILE), max(n, _MIN_TILE)))
+    tile = matmul_steps.MIN_TILE
+    lhs = online_softmax.pad_to(lhs, (rows, max(k, tile)))
+    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _grouped_matmul_kernel,
         num_groups=num_groups,
+        depth=k,
+        width=n,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
+        blocks=blocks,
     )
+    scales = () if blocks is None else (rhs_scale_inv,)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(rhs.shape[2], block_n), schedule.tile_segment.shape[0]),
+        grid=(pl.cdiv(n, block_n), schedule.tile_segment.shape[0]),
         out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), lhs.dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         interpret=interpret,
         name="grouped_matmul",
-    )(schedule.tile_segment, schedule.tile_start, schedule.tile_end, group_offset, lhs, rhs)
+    )(
+        schedule.tile_segment,
+        schedule.tile_start,
+        schedule.tile_end,
+        group_offset,
+        lhs,
+        rhs,
+        *scales,
+    )
     return out[:m, :n]
