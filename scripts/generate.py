@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
-from mla_jax.checkpoint.loader import WeightsError, load_model
+from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, load_model
 from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
@@ -131,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="auto: the model's dtype; fp8: e4m3 latent with a scale per 128 values",
+    )
+    ap.add_argument(
+        "--fp8-weights",
+        choices=FP8_WEIGHTS,
+        default="auto",
+        help="an FP8 checkpoint's weights: keep (FP8 with block scales on the device, "
+        "dequantized tile by tile in the matmuls), dequantize (to --dtype at load), auto "
+        "(keep on a GPU, dequantize elsewhere); --dtype stays the activations' dtype",
     )
     ap.add_argument(
         "--tp",
@@ -292,7 +300,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"compilation cache: {path}", file=sys.stderr)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
-    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True, placement=placement)
+    _, model = load_model(
+        model_dir,
+        dtype=jnp.dtype(args.dtype),
+        verbose=True,
+        placement=placement,
+        fp8_weights=args.fp8_weights,
+    )
     engine = Engine(model, cfg, seed=args.seed)
     requests = [
         Request(p, args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)

@@ -92,42 +92,34 @@ def test_greedy_tokens_match(checkpoint, rng, budget, impl, request):
         assert output["generated_ids"] == out[0, len(prompt) :].tolist()
 
 
-def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, rng):
-    """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
-    block scales (blocks of 16 x 8, so edge blocks are partial) loads dequantized: logits
-    equal transformers' run on the dequantized weights."""
-    from fp8_checkpoint import quantize
-    from safetensors.torch import load_file, save_file
+@pytest.fixture
+def fp8_checkpoint(tmp_path, rng):
+    """``fp8_checkpoint.write_fp8_checkpoint`` with blocks of 16 x 8 (edge blocks partial,
+    blocks narrower than a kernel's K step): its transformers model, path and fp8 names."""
+    from fp8_checkpoint import write_fp8_checkpoint
 
-    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization, dequantize
+    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
 
-    cls, cfg, _ = v3_moe()
-    torch.manual_seed(int(rng.integers(2**31)))
-    hf = cls(cfg).float().eval()
     blocks = FP8BlockQuantization((16, 8))
-    quantized = {}
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-                continue
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-            if name.endswith("proj.weight") and p.ndim == 2:
-                weight, scale = quantize(p.numpy(), blocks)
-                quantized[name] = (weight, scale)
-                p.copy_(torch.from_numpy(dequantize(weight, scale, blocks)))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    tensors = load_file(tmp_path / "model.safetensors")
-    for name, (weight, scale) in quantized.items():
-        tensors[name] = torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn)
-        tensors[name + "_scale_inv"] = torch.from_numpy(scale)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 8]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf, names = write_fp8_checkpoint(tmp_path, int(rng.integers(2**31)), blocks)
+    return hf, tmp_path, names
 
-    assert len(quantized) > 10
-    cfg, model = load_model(tmp_path)
+
+@pytest.mark.parametrize("fp8_weights", ["dequantize", "keep"])
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
+    fp8_checkpoint, rng, fp8_weights
+):
+    """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
+    block scales, loaded dequantized or kept FP8 (dequantized by the reference matmuls):
+    logits equal transformers' run on the dequantized weights."""
+    hf, path, names = fp8_checkpoint
+    assert len(names) > 10 and any(".experts.3.up_proj" in name for name in names)
+    cfg, model = load_model(path, fp8_weights=fp8_weights)
+    attention = model.layers[0].self_attn
+    kept = fp8_weights == "keep"
+    assert (attention.q_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
+    assert attention.kv_b_proj.kernel.dtype == jnp.float32  # dequantized at load either way
+    assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept
     prompt = rng.integers(0, 96, 9).tolist()
     md = build_metadata(
         np.zeros(1, np.int32),
@@ -144,6 +136,28 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
     assert rel_err(np.asarray(logits)[md.request_rows()][0], want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_kept_fp8_weights_greedy_tokens_match(fp8_checkpoint, rng, impl):
+    """``generate.py --dtype float32 --fp8-weights keep`` (chunked prefill, then decodes)
+    vs transformers' greedy generate on the dequantized weights; ``pallas``: the FP8 matmul
+    and grouped matmul kernels dequantize tile by tile (interpreted on a CPU)."""
+    hf, path, _ = fp8_checkpoint
+    prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]
+    argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "6"]
+    argv += ["--no-compilation-cache", "--fp8-weights", "keep"]
+    argv += ["--block-size", "4", "--workspace-size", "8", "--impl", impl]
+    argv += ["--max-num-batched-tokens", "8"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = generate_script().main(argv)
+    for prompt, output in zip(prompts, result["outputs"], strict=True):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
+            )
+        assert output["generated_ids"] == out[0, len(prompt) :].tolist()
 
 
 FP8_LOGITS_TOL = 0.3
