@@ -61,9 +61,7 @@ def accumulate(
             k_ok = k0 + jnp.arange(block_k, dtype=jnp.int32) < depth
             lhs_mask = lhs_mask & k_ok[None, :]
             rhs_mask = k_ok[:, None] if rhs_mask is None else rhs_mask & k_ok[:, None]
-        a = plgpu.load(
-            lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0
-        )
+        a = plgpu.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0)
         b_ref = rhs_ref.at[(*lead, pl.ds(k0, block_k), pl.ds(n0, block_n))]
         # Triton cannot cast a fill value to fp8: an FP8 tile's masked elements are zeroed
         # when it is dequantized.

@@ -84,9 +84,7 @@ def stacked_layers(
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0)
     def make(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(
-            cfg, moe=moe, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks
-        )
+        return DecoderLayer(cfg, moe=moe, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks)
 
     return make(rngs)
 

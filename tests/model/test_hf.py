@@ -18,7 +18,6 @@ forgot it) multiplies a latent by ~2^7 and fails it.
 from __future__ import annotations
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from conftest import generate_script, rel_err
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_checkpoints import CHECKPOINTS, v3_moe, write_checkpoint  # noqa: E402
+from hf_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
 
 from mla_jax.cache.latent_cache import init_cache  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
