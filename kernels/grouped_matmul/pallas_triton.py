@@ -146,8 +146,8 @@ def check(
         blocks.check(rhs, rhs_scale_inv, "rhs")
     elif rhs.dtype != lhs.dtype:
         raise ValueError(
-            f"rhs must be lhs's dtype {lhs.dtype} (or float8_e4m3fn with rhs_scale_inv), got "
-            f"{rhs.dtype}"
+            f"lhs and rhs must both be bfloat16 or float32 (or rhs float8_e4m3fn with "
+            f"rhs_scale_inv), got {lhs.dtype}, {rhs.dtype}"
         )
     if (
         group_sizes.ndim != 1
