@@ -170,6 +170,7 @@ class StepRecord(NamedTuple):
     shape: StepShape
     host_s: float
     interval_s: float
+    steps: int = 1  # decode steps it runs: a window's longest request's (EOS may end it early)
 
 
 @dataclasses.dataclass
@@ -217,8 +218,8 @@ class Stats:
             "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
             "decode_steps": len(decode_steps),
             # Per decode step: a window's time over its steps.
-            "decode_step_ms": _median_ms([r.interval_s / r.shape.steps for r in decode_steps[1:]]),
-            "decode_host_ms": _median_ms([r.host_s / r.shape.steps for r in decode_steps]),
+            "decode_step_ms": _median_ms([r.interval_s / r.steps for r in decode_steps[1:]]),
+            "decode_host_ms": _median_ms([r.host_s / r.steps for r in decode_steps]),
             "programs": len(self.buckets),
             "programs_from_cache": self.programs_from_cache,
             "preemptions": self.preemptions,
@@ -407,6 +408,7 @@ class Engine:
                 output.shape,
                 now - started - compile_s,
                 interval,
+                max((entry.steps for entry in entries), default=1),
             )
         )
         self._last_launch = now
