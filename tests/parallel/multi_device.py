@@ -114,14 +114,14 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
     per_rank = []
     launch = engine._launch
 
-    def recording_launch(scheduled, *args):
+    def recording_launch(scheduled, *args, **kwargs):
         per_rank.append(
             [
                 [sum(e.is_decode for e in batch), sum(not e.is_decode for e in batch)]
                 for batch in scheduled
             ]
         )
-        return launch(scheduled, *args)
+        return launch(scheduled, *args, **kwargs)
 
     engine._launch = recording_launch
     requests = [Request(p, args.max_new_tokens) for p in prompts]
