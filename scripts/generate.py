@@ -5,6 +5,13 @@
 
 ``--smoke --output result.json`` checks the script on the CPU in seconds: the tiny model,
 two short prompts, 4 new tokens, no compilation cache (flags given still win).
+
+``--plan-only`` prints the memory plan of the model's config.json (no weights are read, no
+device is used; ``mla_jax.parallel.memory_plan``): per layout of ``--plan-devices`` devices,
+the weights and the cache bytes per device, and how many requests of ``--request-tokens``
+fit on 8 x H200 and 8 x H100 after the weights and ``--headroom``:
+
+    python scripts/generate.py --model DIR --plan-only [--dtype bfloat16] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
 from mla_jax.checkpoint.loader import WeightsError, load_model
-from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.model.config import ConfigError
-from mla_jax.parallel import sharding
+from mla_jax.parallel import memory_plan, sharding
 
 # What a user can get wrong beyond the flags (the checkpoint, the requests' sizes): the
 # command line prints these as one line, not a traceback.
@@ -75,6 +82,17 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"want a number in [0, 1), got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="HF checkpoint folder, or 'tiny' (required but with --smoke)")
@@ -83,7 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=_positive_int)
     ap.add_argument("--temperature", type=_temperature, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="the model's dtype (default: float32; bfloat16 with --plan-only)",
+    )
     ap.add_argument("--block-size", type=_positive_int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
     ap.add_argument(
@@ -136,6 +158,28 @@ def _parser() -> argparse.ArgumentParser:
         "8 on GPUs, 1 elsewhere; 1: every step alone)",
     )
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory plan (weights and cache bytes per device, requests that fit) of "
+        "each layout of --plan-devices devices, from config.json alone, and exit",
+    )
+    ap.add_argument(
+        "--plan-devices", type=_positive_int, default=8, help="devices of the memory plan"
+    )
+    ap.add_argument(
+        "--request-tokens",
+        type=_positive_int,
+        default=4096,
+        help="tokens of one request (prompt and output) in the memory plan",
+    )
+    ap.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=0.1,
+        help="the memory plan's headroom: the fraction of each GPU's memory kept for "
+        "activations, workspaces and XLA",
+    )
     ap.add_argument("--output", help="write the result JSON here")
     ap.add_argument(
         "--smoke",
@@ -225,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
         _smoke(ap, args)
     if args.model is None:
         ap.error("the following arguments are required: --model")
+    if args.plan_only:
+        return _plan(args)
+    args.dtype = args.dtype or "float32"
     if args.list_buckets:
         return _list_buckets(ap, args)
     if not args.prompt_ids and not args.prompt:
@@ -286,6 +333,51 @@ def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     for shape in shapes:
         print(" ", shape)
     return {"buckets": [shape._asdict() for shape in shapes]}
+
+
+def _plan(args: argparse.Namespace) -> dict:
+    """Prints the memory plan of the model's config (``memory_plan.plan``) as a table."""
+    model_cfg = TINY if args.model == "tiny" else load_config(args.model)
+    settings = dict(
+        dtype=jnp.dtype(args.dtype or "bfloat16"),
+        request_tokens=args.request_tokens,
+        block_size=args.block_size,
+        headroom=args.headroom,
+    )
+    rows = memory_plan.plan(model_cfg, args.plan_devices, **settings)
+    print(
+        f"memory plan: {args.model} ({memory_plan.parameter_count(model_cfg) / 1e9:.2f} B "
+        f"parameters) on {args.plan_devices} devices; weights in {settings['dtype'].name} or FP8 "
+        f"with block scales; requests of {args.request_tokens} tokens in blocks of "
+        f"{args.block_size}; headroom {args.headroom:.0%} of each GPU's memory "
+        "(activations, workspaces, XLA); 'planned' layouts have no runtime yet: their numbers "
+        "come from the partition specs they would use"
+    )
+    print(memory_plan.format_plan(rows, request_tokens=args.request_tokens))
+    result = {
+        "plan": [
+            {
+                "layout": row.layout.name,
+                "runnable": row.layout.runnable,
+                "weights": row.weights,
+                "weight_bytes_per_device": row.weight_bytes,
+                "cache_bytes_per_token_per_device": row.token_bytes,
+                "devices_holding_a_token": row.token_copies,
+                "requests": [
+                    {"node": node, "kv_cache_dtype": kv, "requests": count}
+                    for (node, kv), count in row.requests.items()
+                ],
+                "refused": row.refused,
+            }
+            for row in rows
+        ],
+        "settings": {**settings, "dtype": settings["dtype"].name},
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return result
 
 
 def _summary(stats: dict) -> str:
