@@ -100,6 +100,7 @@ STEP_COLUMNS = [
     "step wall ms",
     "device ms",
     "host ms",
+    "host ms, 1 step",
     "roofline ms",
     "wall / roofline",
 ]
@@ -186,7 +187,7 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     decode_rows=((1, 16), (4, 16)),
-    decode_steps=5,
+    decode_steps=16,
     profiled_steps=2,
     prefill=(2, 24),
     mixed=(3, 4, 24, 4),
@@ -272,7 +273,10 @@ def _cache_bytes_per_token(engine: Engine) -> float:
     return total / (engine.cfg.num_blocks * engine.cfg.block_size)
 
 
-def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
+def _timed_decode(engine, batch, context, sizes: Sizes) -> tuple[float, float, float]:
+    """Wall seconds of ``sizes.decode_steps`` decode steps of ``batch`` requests at
+    ``context``, and the median step's wall and host milliseconds per decode step (a
+    window's over its steps)."""
     stats = engine.stats
     before = len(stats.step_records)
     _decode_requests(engine, batch, context, sizes.decode_steps)
@@ -280,10 +284,20 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
     engine.generate([])
     wall_s = time.perf_counter() - t0
     records = stats.step_records[before:]
-    # The first steps may compile; a steady step's wall time is the launch interval.
-    steady = records[3:]
-    step_ms = float(np.median([r.interval_s for r in steady])) * 1e3
-    host_ms = float(np.median([r.host_s for r in steady])) * 1e3
+    # The first launch's interval is from the previous row's; steps after it may compile
+    # (excluded from both times). A steady step's wall time is the launch interval.
+    steady = records[3 if engine.decode_window == 1 else 1 :]
+    step_ms = float(np.median([r.interval_s / r.steps for r in steady])) * 1e3
+    host_ms = float(np.median([r.host_s / r.steps for r in steady])) * 1e3
+    return wall_s, step_ms, host_ms
+
+
+def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
+    wall_s, step_ms, host_ms = _timed_decode(engine, batch, context, sizes)
+    window = engine.decode_window
+    engine.decode_window = 1  # the same steps one at a time: the host's work they save
+    _, _, single_host_ms = _timed_decode(engine, batch, context, sizes)
+    engine.decode_window = window
 
     def profiled():
         _decode_requests(engine, batch, context, sizes.profiled_steps)
@@ -300,6 +314,7 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
             round(step_ms, 3),
             round(device_ms, 3),
             round(host_ms, 3),
+            round(single_host_ms, 3),
             round(roofline_ms, 3),
             round(step_ms / roofline_ms, 2),
         ],
@@ -597,12 +612,22 @@ def main(argv: list[str] | None = None) -> None:
         "--impl", choices=["pallas", "reference"], default="pallas", help="kernels (--prefix)"
     )
     ap.add_argument(
+        "--decode-window",
+        type=int,
+        default=8,
+        help="decode steps a window runs (EngineConfig.decode_window) in the serving and "
+        "cache-layout tables; their decode rows also time the host with single steps",
+    )
+    ap.add_argument(
         "--no-publish",
         action="store_true",
         help="write the JSON only under --out (a trial run: benchmarks/ and the page untouched)",
     )
     args = parse_args(ap, argv)
+    if args.decode_window < 1:
+        ap.error(f"--decode-window must be >= 1, got {args.decode_window}")
     sizes = SMOKE if args.smoke else FULL
+    sizes = dataclasses.replace(sizes, engine={**sizes.engine, "decode_window": args.decode_window})
     for dtype in (args.kv_cache_dtypes or "auto").split(","):
         try:
             cache_dtype(dtype, jnp.bfloat16)
@@ -660,11 +685,7 @@ def main(argv: list[str] | None = None) -> None:
                 "cells": [
                     f"prefill {count} x {length}",
                     round(r["prompt"] / r["run_s"], 1),
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * (len(STEP_COLUMNS) - 1),
                 ]
             }
         )
@@ -687,11 +708,7 @@ def main(argv: list[str] | None = None) -> None:
                 "cells": [
                     f"mixed: {count} requests, prompts {shortest}-{longest}, 1-{most_new} new",
                     mixed["tokens_per_s"],
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * (len(STEP_COLUMNS) - 1),
                 ],
                 **mixed,
             }
@@ -714,7 +731,10 @@ def main(argv: list[str] | None = None) -> None:
         "scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
-        "metadata + launch per step.",
+        "metadata + launch per step. Decode steps run in windows of "
+        f"{args.decode_window} steps (one device program, tokens read once a window; wall and "
+        "host per step: a window's over its steps); host ms, 1 step: the same steps run one "
+        "at a time.",
         f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
         "the embedding table"
         + (

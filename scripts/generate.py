@@ -159,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
         help="compute every prompt whole (default: a prompt starts from the longest prefix an "
         "earlier request left in the cache)",
     )
+    ap.add_argument(
+        "--decode-window",
+        type=_positive_int,
+        help="decode steps run in one device program while every request decodes (default: "
+        "8 on GPUs, 1 elsewhere; 1: every step alone)",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument(
         "--plan-only",
@@ -254,6 +260,7 @@ def _engine_config(
             tensor_parallel=args.tp,
             data_parallel=args.dp,
             enable_prefix_caching=not args.no_prefix_caching,
+            decode_window=args.decode_window,
         )
     except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
         ap.error(str(e))

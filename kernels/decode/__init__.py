@@ -11,6 +11,7 @@ from .pallas_triton import (
     num_programs,
     padded_heads,
     schedule_splits,
+    truncate_schedule,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "num_programs",
     "padded_heads",
     "schedule_splits",
+    "truncate_schedule",
 ]

@@ -162,6 +162,18 @@ def schedule_splits(
     )
 
 
+def truncate_schedule(schedule: DecodeSchedule, seq_lens: jax.Array) -> DecodeSchedule:
+    """``schedule`` (built for longer lengths) cut to ``seq_lens [B]`` keys per request, on
+    the device: each item ends at most at its request's length, items past it become empty.
+    A multi-step decode builds one schedule for its window's last lengths and cuts it for
+    each step; the kernel reads only ``[item_start, item_end)`` and decides whether a request
+    is whole by its item count, so a cut schedule reads no key past a request's length and
+    combines its items as the uncut one would."""
+    item_end = jnp.minimum(schedule.item_end, seq_lens[schedule.item_req])
+    item_start = jnp.minimum(schedule.item_start, item_end)
+    return schedule._replace(item_start=item_start, item_end=item_end)
+
+
 def max_items(batch: int, num_programs: int) -> int:
     """Items of any batch of ``batch`` requests: one per request start plus one per share
     boundary."""
@@ -244,7 +256,7 @@ def _decode_kernel(
     item_req_ref,
     item_start_ref,
     item_end_ref,
-    seq_lens_ref,
+    req_items_ref,
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
@@ -343,7 +355,9 @@ def _decode_kernel(
         else:
             state = jax.lax.fori_loop(0, num_steps, functools.partial(step, masked=True), state)
         out, lse = online_softmax.finalize(state)
-        whole = (start == 0) & (end == seq_lens_ref[req])
+        # A request of one item is whole: its output goes straight to out (the combine
+        # kernel leaves such requests alone, by the same count).
+        whole = req_items_ref[req + 1] - req_items_ref[req] == 1
 
         @pl.when(whole)
         def _():
@@ -510,8 +524,9 @@ def mla_decode(
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
       schedule: the split-KV plan (``schedule_splits``, built on the host with the metadata
-        by ``KernelPlan.decode_schedule``); None runs each request whole in a program of its
-        own.
+        by ``KernelPlan.decode_schedule``), or one built for longer lengths and cut to
+        ``seq_lens`` by ``truncate_schedule``; None runs each request whole in a program of
+        its own.
       config: launch parameters (default: ``DecodeConfig.for_shape(N, B)``).
 
     Returns:
@@ -596,7 +611,7 @@ def _mla_decode(
         schedule.item_req,
         schedule.item_start,
         schedule.item_end,
-        seq_lens,
+        schedule.req_items,
         block_table,
         q_lat,
         q_pe,

@@ -232,7 +232,8 @@ class AttentionMetadata:
 
 
 class StepShape(NamedTuple):
-    """The padded sizes that select a step's compiled program."""
+    """The padded sizes that select a step's compiled program, and its decode steps (more
+    than one: a decode window, ``engine/runner.py``)."""
 
     tokens: int
     decodes: int
@@ -241,6 +242,7 @@ class StepShape(NamedTuple):
     prefill_blocks: int
     chunks: int
     chunk_tokens: int
+    steps: int = 1
 
 
 def is_decode(query_lens: int | np.ndarray) -> bool | np.ndarray:

@@ -48,8 +48,9 @@ class Request:
 
     def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
         """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the
-        pending token (whose id is only on the device, given here as 0), if they hold it.
-        Slices only (no copy of a whole prompt: this runs for every request every step)."""
+        first pending token (pending ids are only on the device, given here as 0), if they
+        hold one. Slices only (no copy of a whole prompt: this runs for every request every
+        step)."""
         prompt_len = len(self.prompt_ids)
         known = prompt_len + len(self.output_ids)
         ids = self.prompt_ids[start:stop] if start < prompt_len else []
@@ -57,4 +58,5 @@ class Request:
             ids += self.output_ids[max(start - prompt_len, 0) : stop - prompt_len]
         if stop <= known:
             return ids, None
-        return ids + [0] * (stop - max(start, known)), known - start
+        first_pending = max(start, known)
+        return ids + [0] * (stop - first_pending), first_pending - start

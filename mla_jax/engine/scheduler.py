@@ -15,6 +15,12 @@ computes the rest, at least its last token (whose logits it samples from).
 
 A step is scheduled before the previous one's sampled tokens reach the host (the engine
 overlaps them): a request's sampled but unread token is *pending* (``request.py``).
+
+When every running request decodes and no waiting request could start, the engine may run a
+*window* of several decode steps in one device program (``schedule_window``): each request
+gets the blocks of all its window's tokens up front, so the device never needs a new one,
+and its window ends where its ``max_new_tokens`` (hence the model length) would; a window
+never preempts (``can_run_window`` asks for the free blocks first).
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from mla_jax.engine.request import Request
 
 class Scheduled(NamedTuple):
     """``count`` tokens of ``request`` from position ``start`` (its context length);
-    ``samples``: the step samples its next token (the chunk ends its tokens)."""
+    ``samples``: the step samples its next token (the chunk ends its tokens); ``steps``: the
+    decode steps a window runs it for (a decode each, ``count`` 1), 1 in a one-step batch."""
 
     request: Request
     start: int
     count: int
     samples: bool
+    steps: int = 1
 
     @property
     def is_decode(self) -> bool:
@@ -206,13 +214,58 @@ class Scheduler:
             self.cached_prompt_tokens += min(cached, len(req.prompt_ids))
             chunks += not is_decode(n)
         batch.sort(key=lambda rn: not is_decode(rn[1]))  # stable: 1-token chunks join the decodes
-        scheduled = [
-            Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
-            for req, n in batch
-        ]
+        return self._advance(
+            [
+                Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+                for req, n in batch
+            ]
+        )
+
+    def _window_steps(self, req: Request, steps: int) -> int:
+        """The decode steps of a window of ``steps`` that ``req`` runs: as many as it still
+        wants tokens (a request admitted within the model length stays within it)."""
+        return min(steps, req.max_new_tokens - len(req.output_ids) - req.num_pending)
+
+    def can_run_window(self, steps: int) -> bool:
+        """Whether the next step can be a window of ``steps`` decode steps: every running
+        request that wants tokens decodes, within the token budget; no waiting request could
+        start now (none waits, or the running ones fill ``max_num_seqs``: a prompt that waits
+        for room is not delayed by a window beyond the request it waits for); and the free
+        blocks hold every request's tokens of the window."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return False
+        decodes = need = 0
+        for req in self.running:
+            if not req.wants_tokens:
+                continue
+            if not is_decode(req.num_tokens - req.num_computed):
+                return False
+            decodes += 1
+            tokens = req.num_computed + self._window_steps(req, steps)
+            need += max(-(-tokens // self.block_size) - len(req.block_ids), 0)
+        return decodes <= self.max_num_batched_tokens and need <= self.block_manager.num_free
+
+    def schedule_window(self, steps: int) -> list[Scheduled]:
+        """A window of up to ``steps`` decode steps (``can_run_window(steps)`` must hold):
+        every running request that wants tokens, for as many steps as it wants, its blocks
+        grown for all of them. Advances ``num_computed`` and ``num_pending`` by those steps;
+        a request the device stops early (EOS) has them corrected when the host reads its
+        tokens (``Engine``)."""
+        scheduled = []
+        for req in self.running:
+            if req.wants_tokens:
+                req_steps = self._window_steps(req, steps)
+                if not self.grow(req, req.num_computed + req_steps):
+                    raise RuntimeError("a window ran out of blocks: can_run_window did not hold")
+                scheduled.append(Scheduled(req, req.num_computed, 1, True, req_steps))
+        return self._advance(scheduled)
+
+    def _advance(self, scheduled: list[Scheduled]) -> list[Scheduled]:
+        """Counts ``scheduled``'s tokens computed (and sampled, where they sample) and caches
+        the blocks they leave full of known tokens; returns ``scheduled``."""
         for entry in scheduled:
-            entry.request.num_computed += entry.count
-            entry.request.num_pending += entry.samples
+            entry.request.num_computed += entry.count * entry.steps
+            entry.request.num_pending += entry.samples * entry.steps
             # After this step's admissions: a block is shared from the next step on.
             self.cache_full_blocks(entry.request)
         return scheduled

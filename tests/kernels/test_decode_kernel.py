@@ -217,6 +217,33 @@ def test_plan_balances_tokens():
         assert covered == list(range(lens[b]))
 
 
+@pytest.mark.parametrize("variant", [{}, {"prefetch": True}], ids=["pallas", "pallas-prefetch"])
+def test_schedule_of_longer_lengths_truncated(rng, variant):
+    """A multi-step decode window builds the schedule for its last step's lengths (up to 8
+    more keys a request) and cuts it to each step's (``truncate_schedule``): the keys past a
+    request's current length (poisoned, and its blocks past them -1 or far outside the
+    cache) are not read, and a request whose cut schedule keeps one non-empty item of
+    several is still combined."""
+    lens = np.array([1, 15, 16, 17, 40, 25, 0, 9])
+    window = np.array([8, 8, 3, 8, 1, 8, 0, 8])  # keys each request gains in the window
+    args = _case(rng, lens)
+    schedule = decode.schedule_splits(lens + window, num_programs=4, block_k=16, num_items=12)
+    cut = decode.truncate_schedule(
+        jax.tree.map(jnp.asarray, schedule), jnp.asarray(lens, jnp.int32)
+    )
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(16, 8), block_k=16, **variant)
+    got = _run(args, scale=0.09, schedule=cut, config=config)
+    _check(got, _expected(*args, 0.09), args[-1], jnp.float32)
+    # The cut left some request with empty items beside a non-empty one (the combine case).
+    items = np.asarray(cut.item_end) - np.asarray(cut.item_start)
+    req_items = np.asarray(cut.req_items)
+    assert any(
+        (items[req_items[b] : req_items[b + 1]] == 0).any()
+        and (items[req_items[b] : req_items[b + 1]] > 0).any()
+        for b in range(len(lens))
+    )
+
+
 def test_outputs_start_poisoned():
     """Guards the claim above: in interpret mode an output the kernel never writes is NaN."""
     out = pl.pallas_call(

@@ -8,10 +8,10 @@ greedy float32 tokens at TP 2 and 4 on transformers test checkpoints (8 heads wi
 prefill included, against transformers' greedy generate; at TP 4, where every parameter and
 the cache live and which collectives a compiled step runs; the Pallas kernels under
 shard_map. Data parallelism: greedy tokens at DP 2 and DP 2 x TP 2 on three prompts of
-different lengths (ranks idle or lacking a part in some steps), the cache split over the DP
-ranks, collectives only within a DP rank; prefix caching at DP 2 x TP 2 (requests steered to
-the rank that caches their prefix while it has room). Refusals run here, on this process's
-one device.
+different lengths (ranks idle or lacking a part in some steps), at DP 2 in decode windows
+too, the cache split over the DP ranks, collectives only within a DP rank; prefix caching
+at DP 2 x TP 2 (requests steered to the rank that caches their prefix while it has room).
+Refusals run here, on this process's one device.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ INSPECT, INSPECT_TP = "v2-moe", 4  # a dense layer and a MoE layer
 # Data parallelism: three prompts over two ranks (13 and 9 on rank 0, 5 on rank 1): rank 1
 # prefills in one step while rank 0 takes three, and finishes first (then it is idle).
 DP_PROMPT_LENGTHS = (13, 5, 9)
-DP_RUNS = [["v3", 2, 1, "reference"], ["v3", 2, 2, "reference"]]
+# The last run in decode windows of 4 steps: a rank that finishes first runs padding in them.
+DP_RUNS = [["v3", 2, 1, "reference", 1], ["v3", 2, 2, "reference", 1], ["v3", 2, 1, "reference", 4]]
 DP_INSPECT = [2, 2]  # data_parallel, tensor_parallel of the inspected (INSPECT) run
 # Prefix caching at DP 2 x TP 2 (max_num_seqs 4 a rank), two generate calls: a prompt with a
 # 10-token prefix (rank 0), then an unrelated prompt and four with the prefix. Rank 0 caches
@@ -245,8 +246,8 @@ def test_tensor_parallel_beyond_the_devices_is_refused(capsys):
 @pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in DP_RUNS])
 def test_data_parallel_greedy_tokens_match_transformers(multi_device, run):
     result, expected = multi_device
-    name, data_parallel, tensor_parallel, impl = run.split("/")
-    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+    name, data_parallel, tensor_parallel, impl, window = run.split("/")
+    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}/window{window}"
     assert result["tokens"][key] == expected["dp"][name]
 
 

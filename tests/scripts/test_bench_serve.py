@@ -62,6 +62,7 @@ def test_prefix_comparison_on_the_tiny_model(tmp_path):
         (["--prefix", "shared,shared"], "want a comma-separated subset of shared,multi-turn"),
         (["--prefix", "--no-publish"], "--no-publish needs --out"),
         (["--impl", "reference"], "--impl reference runs only --prefix"),
+        (["--decode-window", "0"], "--decode-window must be >= 1, got 0"),
     ],
 )
 def test_bad_flags_are_named(flags, message, capsys):

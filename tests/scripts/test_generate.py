@@ -48,6 +48,7 @@ def _usage_error(capsys, argv: list[str]) -> str:
         (["--temperature", "nan"], "argument --temperature: want a number >= 0"),
         (["--block-size", "32", "--workspace-size", "16"], "workspace_size (16) must hold"),
         (["--impl", "triton"], "argument --impl: invalid choice: 'triton'"),
+        (["--decode-window", "0"], "argument --decode-window: want an integer >= 1, got '0'"),
     ],
 )
 def test_bad_numbers_are_named(capsys, flags, message):
