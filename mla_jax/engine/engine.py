@@ -457,19 +457,24 @@ class Engine:
         dummy tokens in freshly allocated blocks, which go back to the block manager: call it
         while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
         so far). With data parallelism the steps run on the first rank, the others padded."""
-        if steps is not None:
-            return [self._dummy_step(pairs, self.buckets) for pairs in steps]
-        shapes = []
-        for shape in self.step_shapes():
-            # One decode and one 2-token prompt, padded to this shape's sizes.
-            pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
-            buckets = dataclasses.replace(
-                self.buckets,
-                decode_buckets=(shape.decodes or 1,),
-                token_buckets=(shape.tokens - shape.decodes or 1,),
-            )
-            shapes.append(self._dummy_step(pairs, buckets, shape.steps))
-        return shapes
+        start = time.perf_counter()
+        try:
+            if steps is not None:
+                return [self._dummy_step(pairs, self.buckets) for pairs in steps]
+            shapes = []
+            for shape in self.step_shapes():
+                # One decode and one 2-token prompt, padded to this shape's sizes.
+                pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
+                buckets = dataclasses.replace(
+                    self.buckets,
+                    decode_buckets=(shape.decodes or 1,),
+                    token_buckets=(shape.tokens - shape.decodes or 1,),
+                )
+                shapes.append(self._dummy_step(pairs, buckets, shape.steps))
+            return shapes
+        finally:
+            # Its compile time is in stats.compile_s, which rates subtract from elapsed_s.
+            self.stats.elapsed_s += time.perf_counter() - start
 
     def _dummy_step(
         self, pairs: list[tuple[int, int]], buckets: Buckets, steps: int = 1
