@@ -77,6 +77,15 @@ class Scheduler:
             self.waiting.remove(req)
         self.release(req)
 
+    def withdraw(self, requests: set[Request]) -> None:
+        """Takes ``requests`` out of the queues, where they are, and frees their blocks
+        (requests it does not hold are left alone): a failed call's cleanup."""
+        held = [req for req in (*self.running, *self.waiting) if req in requests]
+        self.running = [req for req in self.running if req not in requests]
+        self.waiting = deque(req for req in self.waiting if req not in requests)
+        for req in held:
+            self.release(req)
+
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
         when too few are free."""
