@@ -17,6 +17,7 @@ import pytest
 from conftest import Step, mla_dims, mla_weights_np, randomize, rel_err, small_mla
 from flax import nnx
 
+from mla_jax.cache.packing import packed_metadata
 from mla_jax.model.attention import MLAAttention
 
 TOL = 2e-5
@@ -230,3 +231,41 @@ def test_bfloat16_many_context_chunks_cost_no_accuracy(rng):
         outs, _ = step(attn, cache, [(n_context, x[n_context:])], table)
         errors.append(rel_err(outs[0], want))
     assert errors[1] < 1.25 * errors[0]
+
+
+@pytest.mark.parametrize(
+    "layer,message",
+    [
+        (2, "layer 2 is outside the stacked cache's 2 layers [0, 2)"),
+        (-1, "layer -1 is outside the stacked cache's 2 layers [0, 2)"),
+        (np.int32(5), "layer 5 is outside the stacked cache's 2 layers [0, 2)"),
+        (jnp.int32(2), "layer 2 is outside the stacked cache's 2 layers [0, 2)"),
+        (1.0, "layer must be an integer (or a traced integer index), got 1.0 (float)"),
+    ],
+)
+def test_a_layer_outside_the_cache_is_refused(rng, layer, message):
+    """An index past the stacked cache's layers would drop the write and decode zeros; a
+    concrete one is refused by name (a traced one, as in a scan, is the caller's)."""
+    cfg = small_mla()
+    attn, _, _ = _module(cfg, rng)
+    cache = jnp.zeros((2, 4, 4, cfg.cache_width), jnp.float32)
+    metadata = packed_metadata([0], [3], [[1]], num_heads=4, block_size=4, num_blocks=4)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+    with pytest.raises(ValueError) as error:
+        attn(x, cache, metadata, layer=layer, impl="reference")
+    assert str(error.value) == message
+
+
+def test_the_last_layer_of_a_stacked_cache_is_its_own(rng):
+    """In range, each layer index writes and reads that layer only: the last layer's step
+    equals the same step on a one-layer cache."""
+    cfg = small_mla()
+    attn, _, _ = _module(cfg, rng)
+    metadata = packed_metadata([0], [3], [[1]], num_heads=4, block_size=4, num_blocks=4)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+    stacked = jnp.zeros((2, 4, 4, cfg.cache_width), jnp.float32)
+    out, stacked = attn(x, stacked, metadata, layer=jnp.int32(1), impl="reference")
+    alone, single = attn(x, stacked[0], metadata, impl="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(stacked[1]), np.asarray(single))
+    assert not np.asarray(stacked[0]).any()
