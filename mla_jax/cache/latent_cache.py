@@ -12,6 +12,9 @@ A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request live
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,13 +137,15 @@ def _scatter(
 
 
 class BlockAllocator:
-    """Hands out cache block ids from a free list."""
+    """Hands out cache block ids ``[0, num_blocks)`` from a free list, and takes back only
+    the ones it handed out (a block freed twice would later have two owners)."""
 
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -148,13 +153,41 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free block ids, now held by the caller (``CacheFullError`` when fewer are
+        free)."""
         if n > len(self._free):
             raise CacheFullError(
                 f"out of KV cache blocks: {n} needed, {len(self._free)} free of {self.num_blocks}"
             )
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        for block in taken:
+            self._is_free[block] = False
         return taken[::-1]
 
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(reversed(block_ids))
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Takes back held blocks (ints or NumPy integers). Refuses (``ValueError``, naming
+        the id; nothing is freed) an id it never handed out, one already free, or one given
+        twice."""
+        ids: list[int] = []
+        given: set[int] = set()
+        for block in block_ids:
+            try:
+                block = operator.index(block)
+            except TypeError:
+                raise ValueError(
+                    f"block id {block} ({type(block).__name__}) is not an integer"
+                ) from None
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(
+                    f"block {block} is not one of this allocator's blocks [0, {self.num_blocks})"
+                )
+            if block in given:
+                raise ValueError(f"block {block} is given twice")
+            if self._is_free[block]:
+                raise ValueError(f"block {block} is already free (freed twice?)")
+            ids.append(block)
+            given.add(block)
+        self._free.extend(reversed(ids))
+        for block in ids:
+            self._is_free[block] = True

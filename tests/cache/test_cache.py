@@ -53,3 +53,32 @@ def test_block_allocator():
     alloc.free(a)
     b = alloc.allocate(6)
     assert sorted(b) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "block_ids,message",
+    [
+        ([2], "block 2 is already free (freed twice?)"),
+        ([0, 1, 0], "block 0 is given twice"),
+        ([99], "block 99 is not one of this allocator's blocks [0, 6)"),
+        ([-1], "block -1 is not one of this allocator's blocks [0, 6)"),
+        ([1.0], "block id 1.0 (float) is not an integer"),
+    ],
+)
+def test_block_allocator_refuses_what_it_does_not_hold(block_ids, message):
+    """A double free or a foreign id would hand a block to two owners later; the free is
+    refused whole, naming the id, and the allocator is as before."""
+    alloc = BlockAllocator(6)
+    held = alloc.allocate(2)  # blocks 0 and 1
+    with pytest.raises(ValueError) as error:
+        alloc.free(block_ids)
+    assert str(error.value) == message
+    assert alloc.num_free == 4
+    alloc.free(np.asarray(held, np.int32).tolist())
+    assert sorted(alloc.allocate(6)) == list(range(6))
+
+
+def test_block_allocator_takes_numpy_ids():
+    alloc = BlockAllocator(4)
+    alloc.free(np.asarray(alloc.allocate(3), np.int32))
+    assert alloc.num_free == 4
