@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -25,7 +25,12 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mla_jax.checkpoint.fp8_weights import dequantize, read_safetensors, scale_name
+from mla_jax.checkpoint.fp8_weights import (
+    FP8BlockQuantization,
+    dequantize,
+    read_safetensors,
+    scale_name,
+)
 from mla_jax.checkpoint.hf_config import config_to_dict, load_config
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
@@ -36,6 +41,8 @@ _SINGLE = "model.safetensors"
 # safetensors header dtypes that hold weights; integer (and FP8) tensors would be cast to
 # floats silently, so they are refused by name instead.
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# Those an fp8 weight's block scales may have (read_safetensors reads them).
+_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 class WeightsError(ValueError):
@@ -143,6 +150,14 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + n_extra
 
 
+def _by_file(names: Iterable[str], files: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """``names`` grouped by the file holding them, files in name order."""
+    grouped = defaultdict(list)
+    for name in names:
+        grouped[files[name]].append(name)
+    return sorted(grouped.items())
+
+
 def _listing(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
@@ -180,19 +195,21 @@ def load_model(
     if unexpected:
         raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
 
-    by_file = defaultdict(list)
-    for name in params:
-        by_file[files[name]].append(name)
-    shards = sorted(by_file.items())
     # Headers first: a wrong dtype or shape in the last shard is refused before any data is read.
-    for file, names in shards:
+    headers = {}  # name -> (safetensors dtype, shape)
+    for file, names in _by_file([*params, *scales], files):
         with _open(file) as f:
             for name in names:
-                fp8 = _check_header(f.get_slice(name), name, params[name][2], quantization)
-                if fp8 and scale_name(name) not in files:
-                    raise WeightsError(
-                        f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
-                    )
+                header = f.get_slice(name)
+                headers[name] = (header.get_dtype(), tuple(header.get_shape()))
+    for name, (_, _, slot) in params.items():
+        fp8 = _check_header(*headers[name], name, slot, quantization)
+        scale = scale_name(name)
+        if fp8 and scale not in files:
+            raise WeightsError(f"fp8 tensor {name} has no {scale} in {model_dir}")
+        if scale in scales:
+            _check_scale_header(*headers[scale], scale, name, headers[name], quantization)
+    shards = _by_file(params, files)
     # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
     buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
     for i, (file, names) in enumerate(shards):
@@ -201,14 +218,11 @@ def load_model(
         with _open(file) as f:
             for name in names:
                 path, _, slot = params[name]
-                if f.get_slice(name).get_dtype() == "F8_E4M3":
+                if headers[name][0] == "F8_E4M3":
                     # Dequantized tensor by tensor: host memory holds one in float32 at a time.
                     scale = read_safetensors(files[scale_name(name)], scale_name(name))
-                    array = read_safetensors(file, name)
-                    try:
-                        array = dequantize(array, scale, quantization)
-                    except ValueError as e:
-                        raise WeightsError(f"tensor {name}: {e}") from None
+                    _check_scale_values(scale, scale_name(name))
+                    array = dequantize(read_safetensors(file, name), scale, quantization)
                 else:
                     array = f.get_tensor(name)
                 buffers[path][slot.index] = array.transpose(slot.axes)
@@ -223,22 +237,65 @@ def load_model(
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _check_header(header, name: str, slot: TensorSlot, quantization) -> bool:
+def _check_header(
+    dtype: str, shape: tuple[int, ...], name: str, slot: TensorSlot, quantization
+) -> bool:
     """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
     True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
-    fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None
+    fp8 = dtype == "F8_E4M3" and quantization is not None
     if fp8 and len(slot.hf_shape) != 2:
         raise WeightsError(f"tensor {name} is fp8 but not a matrix {list(slot.hf_shape)}")
-    if not fp8 and header.get_dtype() not in _FLOAT_DTYPES:
+    if not fp8 and dtype not in _FLOAT_DTYPES:
         raise WeightsError(
-            f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
+            f"tensor {name} has dtype {dtype}; weights must be floating point "
             f"({', '.join(_FLOAT_DTYPES)})"
         )
-    shape = tuple(header.get_shape())
     want = slot.hf_shape
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
     return fp8
+
+
+def _check_scale_header(
+    dtype: str,
+    shape: tuple[int, ...],
+    name: str,
+    weight_name: str,
+    weight_header: tuple[str, tuple[int, ...]],
+    quantization: FP8BlockQuantization,
+) -> None:
+    """The block scales ``name`` of ``weight_name`` as the headers record them: the weight
+    is fp8 (a scale beside a float weight would be ignored), the scales a float dtype and
+    one per block of the weight."""
+    weight_dtype, weight_shape = weight_header
+    if weight_dtype != "F8_E4M3":
+        raise WeightsError(
+            f"tensor {name} scales {weight_name}, which is {weight_dtype}: only "
+            "float8_e4m3fn (F8_E4M3) weights have block scales"
+        )
+    if dtype not in _SCALE_DTYPES:
+        raise WeightsError(
+            f"tensor {name} has dtype {dtype}; block scales must be floating point "
+            f"({', '.join(_SCALE_DTYPES)})"
+        )
+    want = quantization.scale_shape(weight_shape)
+    if shape != want:
+        raise WeightsError(
+            f"tensor {name} has shape {shape}; {weight_name} {list(weight_shape)} in blocks "
+            f"{list(quantization.weight_block_size)} needs {want}"
+        )
+
+
+def _check_scale_values(scale: np.ndarray, name: str) -> None:
+    """Block scales are finite and positive (a NaN one turns its block, and every logit it
+    reaches, to NaN)."""
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        where = np.unravel_index(np.argmax(bad), scale.shape)
+        raise WeightsError(
+            f"tensor {name} holds {float(scale[where])} at block {[int(i) for i in where]}; "
+            "block scales must be finite and > 0"
+        )
 
 
 def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:

@@ -127,3 +127,34 @@ def test_script_prints_a_checkpoint_error_in_one_line(tmp_path):
     proc = _run_script(["--model", str(tmp_path), *REQUEST], cache=str(tmp_path / "cache"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == "error: moe_layer_freq must be an integer >= 1, got 0"
+
+
+def _cli_error(monkeypatch, argv: list[str]) -> str:
+    """What ``cli`` exits with for ``argv``: the one line it prints (a SystemExit message)."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        generate.cli()
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    return message
+
+
+def test_cli_names_an_integer_block_scale_in_one_line(monkeypatch, tmp_path):
+    """An FP8 checkpoint whose weight_scale_inv is an integer tensor: refused from the
+    headers, in one line naming the tensor (it was a traceback from reading its data)."""
+    import torch
+    from fp8_checkpoint import quantize_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
+
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    quantize_checkpoint(model_dir, FP8BlockQuantization((128, 128)))
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert _cli_error(monkeypatch, ["--model", model_dir, *REQUEST]) == (
+        f"error: tensor {name} has dtype I32; block scales must be floating point (F32, BF16, F16)"
+    )
