@@ -158,3 +158,51 @@ def test_cli_names_an_integer_block_scale_in_one_line(monkeypatch, tmp_path):
     assert _cli_error(monkeypatch, ["--model", model_dir, *REQUEST]) == (
         f"error: tensor {name} has dtype I32; block scales must be floating point (F32, BF16, F16)"
     )
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["a_file", "below_a_file"])
+def test_a_compilation_cache_that_cannot_be_a_folder_is_named(capsys, tmp_path, below):
+    """A --compilation-cache that is a file, or lies below one, is refused before the model
+    is looked at (it was a FileExistsError or NotADirectoryError traceback)."""
+    file = tmp_path / "programs"
+    file.write_text("")
+    path = file / "xla" if below else file
+    line = _usage_error(capsys, ARGV + ["--compilation-cache", str(path)])
+    assert line.endswith(f"error: --compilation-cache {path}: {file} is a file, not a folder")
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails a run that loads the weights: what it refuses, it refuses before."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(generate, "load_model", load_model)
+
+
+def test_max_model_len_above_the_model_is_refused_before_loading(capsys, tmp_path, no_weights):
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    flags = ["--model", model_dir, *REQUEST, "--no-compilation-cache", "--max-model-len", "1025"]
+    line = _usage_error(capsys, flags)
+    assert line.endswith(
+        "error: --max-model-len 1025 exceeds the model's max_position_embeddings (1024)"
+    )
+    line = _usage_error(capsys, [*flags, "--list-buckets"])
+    assert line.endswith(
+        "error: --max-model-len 1025 exceeds the model's max_position_embeddings (1024)"
+    )
+
+
+def test_a_corrupt_tokenizer_is_named(capsys, tmp_path, no_weights):
+    pytest.importorskip("tokenizers")
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    path = os.path.join(model_dir, "tokenizer.json")
+    with open(path, "w") as f:
+        f.write('{"version": "1.0", "model": ')
+    flags = ["--model", model_dir, "--prompt", "w3 w14", "--max-new-tokens", "2"]
+    line = _usage_error(capsys, [*flags, "--no-compilation-cache"])
+    assert line.endswith(
+        f"error: --prompt: {path} is not a tokenizer file the tokenizers package reads: EOF "
+        "while parsing a value at line 1 column 28"
+    )
