@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -58,10 +58,14 @@ class TensorSlot(NamedTuple):
     hf_shape: tuple[int, ...]  # the shape the HF tensor must have
 
 
-def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+def hf_tensors(
+    path: tuple, shape: tuple[int, ...], cfg: ModelConfig, available: Container[str] = ()
+) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
     run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
-    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one."""
+    experts one per layer and expert (``moe.hf_expert_slice``), or one per layer where
+    ``available`` (a checkpoint's tensor names) has transformers' fused tensor of the layer's
+    experts; the rest hold one."""
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
@@ -75,7 +79,8 @@ def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[Te
     for i in range(shape[0]):
         prefix = f"model.layers.{first + i}"
         if parts[2:4] == ["mlp", "experts"]:
-            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe):
+            fused = f"{prefix}.mlp.experts.{parts[4]}" in available
+            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
                 where = hf_expert_slice(name, cfg.moe)
                 if where.param == parts[4]:
                     slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
@@ -178,11 +183,11 @@ def load_model(
     cfg = load_config(model_dir)
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    files = _checkpoint_files(model_dir)
     params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
-        for slot in hf_tensors(path, var.shape, cfg):
+        for slot in hf_tensors(path, var.shape, cfg, files):
             params[slot.name] = (path, var, slot)
-    files = _checkpoint_files(model_dir)
 
     missing = sorted(set(params) - set(files))
     if missing:

@@ -160,29 +160,60 @@ def checkpoint(request, tmp_path, rng):
     return write_checkpoint(request.param, tmp_path, int(rng.integers(2**31))), tmp_path
 
 
-def test_last_token_logits_match(checkpoint, rng):
-    hf, path = checkpoint
+def _last_token_logits(path, prompts: list[list[int]]) -> np.ndarray:
+    """``[len(prompts), vocab]``: each prompt's last-token logits from the checkpoint at
+    ``path`` loaded here, one step of all the prompts."""
     cfg, model = load_model(path)
-    prompts = [rng.integers(0, 96, n).tolist() for n in (1, 6, 17)]
-    bs = 4
-    tables = np.arange(3 * 5).reshape(3, 5)
+    bs, width = 4, 5  # prompts of up to 20 tokens
+    num_blocks = len(prompts) * width
     md = build_metadata(
-        np.zeros(3, np.int32),
+        np.zeros(len(prompts), np.int32),
         np.array([len(p) for p in prompts]),
-        tables,
+        np.arange(num_blocks).reshape(len(prompts), width),
         block_size=bs,
-        num_blocks=15,
+        num_blocks=num_blocks,
         workspace_size=64,
     )
     ids = np.zeros(md.positions.shape[0], np.int32)
     ids[md.token_rows()] = np.concatenate(prompts)
-    cache = init_cache(cfg.num_layers, 15, bs, cfg.mla.cache_width, jnp.float32)
+    cache = init_cache(cfg.num_layers, num_blocks, bs, cfg.mla.cache_width, jnp.float32)
     logits, _ = model(jnp.asarray(ids), cache, md, impl="reference")
-    logits = np.asarray(logits)[md.request_rows()]
-    for prompt, got in zip(prompts, logits, strict=True):
+    return np.asarray(logits)[md.request_rows()]
+
+
+def test_last_token_logits_match(checkpoint, rng):
+    hf, path = checkpoint
+    prompts = [rng.integers(0, 96, n).tolist() for n in (1, 6, 17)]
+    for prompt, got in zip(prompts, _last_token_logits(path, prompts), strict=True):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
         assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["v3-moe", "v2-moe"])
+def test_fused_experts_load_as_the_per_expert_ones(tmp_path, rng, name):
+    """transformers 5 holds routed experts fused, ``mlp.experts.gate_up_proj [E, 2I, H]``
+    (gate rows first) and ``mlp.experts.down_proj [E, H, I]``; a checkpoint of its state
+    dict as held in memory loads to the model of ``save_pretrained``'s per-expert one: the
+    same logits, transformers' logits."""
+    from safetensors.torch import save_file
+
+    per_expert, fused = tmp_path / "per_expert", tmp_path / "fused"
+    hf = write_checkpoint(name, per_expert, int(rng.integers(2**31)))
+    state = {key: value.contiguous() for key, value in hf.state_dict().items()}
+    assert state["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 2 * 24, 64)
+    assert state["model.layers.2.mlp.experts.down_proj"].shape == (8, 64, 24)
+    assert not any(".experts.0." in key for key in state)
+    fused.mkdir()
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    (fused / "config.json").write_text((per_expert / "config.json").read_text())
+    prompts = [rng.integers(0, 96, n).tolist() for n in (5, 13)]
+    got = _last_token_logits(fused, prompts)
+    np.testing.assert_array_equal(got, _last_token_logits(per_expert, prompts))
+    for prompt, logits in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+        assert rel_err(logits, want) < 1e-5
 
 
 @pytest.mark.parametrize("budget,impl", [(8, "reference"), (64, "reference"), (8, "pallas")])
