@@ -125,6 +125,23 @@ def write_cache(
     return _scatter(cache, rows, slot_mapping, layer)
 
 
+def as_stored(
+    cache: jax.Array | fp8.Fp8Cache, kv_c: jax.Array, k_pe: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``kv_c [T, Lkv]`` and ``k_pe [T, R]`` as a read of ``cache`` gives them back, in their
+    own dtypes: rounded to the cache's dtype, or for an ``Fp8Cache`` quantized as
+    ``write_cache`` quantizes them and dequantized (exact in bf16) as the kernels read them.
+    A prefill's new tokens attend these, so that every read of a token's latent, in its own
+    chunk or later from the cache, sees one value: a request's tokens do not depend on how
+    its prompt was chunked or whether it was recomputed after a preemption."""
+    if isinstance(cache, fp8.Fp8Cache):
+        values, scales = fp8.quantize(kv_c)
+        row = fp8.dequantize(values, k_pe.astype(cache.k_pe.dtype), scales)
+        lkv = kv_c.shape[-1]
+        return row[..., :lkv].astype(kv_c.dtype), row[..., lkv:].astype(k_pe.dtype)
+    return kv_c.astype(cache.dtype).astype(kv_c.dtype), k_pe.astype(cache.dtype).astype(k_pe.dtype)
+
+
 def _scatter(
     part: jax.Array, rows: jax.Array, slot_mapping: jax.Array, layer: int | jax.Array
 ) -> jax.Array:
