@@ -1,6 +1,6 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
@@ -9,30 +9,90 @@ reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels
 a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
 ``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
 the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
+``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
+from benchlib import (
+    copy_bandwidth,
+    jsonable,
+    parse_args,
+    parser,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 
-from mla_jax.kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels import KernelPlan, decode, fp8
 
-LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5
-FP8_TOKEN_BYTES = LKV + fp8.num_groups(LKV) * 4 + R * 2  # 656
 
 
-def _inputs(rng, seq_lens, n, sets):
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The shapes a run measures: the benchmark's, or a smoke run's."""
+
+    lkv: int  # latent width (values, and keys with the rope part)
+    rope: int
+    page: int
+    cases: tuple[tuple[str, tuple[int, ...]], ...]  # (label, context of each request)
+    ragged: tuple[int, int]  # requests, longest context of the ragged pair of cases
+    # (heads, whether the ragged cases and the FP8 table run too) of each part of the table
+    heads: tuple[tuple[int, bool], ...]
+    sweep_cases: dict  # heads -> labels of ``cases`` the sweep times
+    fp8_sweep_cases: tuple  # (heads, labels) the FP8 sweep times
+
+    @property
+    def fp8_token_bytes(self) -> int:
+        """Bytes of a token in the FP8 cache (656 for DeepSeek's 512 + 64)."""
+        return self.lkv + fp8.num_groups(self.lkv) * 4 + self.rope * 2
+
+
+FULL = Sizes(
+    lkv=512,
+    rope=64,
+    page=64,
+    cases=(
+        ("1 x 16384", (16384,)),
+        ("32 x 4096", (4096,) * 32),
+        ("128 x 4096", (4096,) * 128),
+        ("64 x 16384", (16384,) * 64),
+    ),
+    ragged=(128, 8192),
+    heads=((16, True), (128, True), (8, False)),
+    # N = 16 on its first three cases, N = 128 on 128 x 4096.
+    sweep_cases={16: ("1 x 16384", "32 x 4096", "128 x 4096"), 128: ("128 x 4096",)},
+    # The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
+    # 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower).
+    fp8_sweep_cases=((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",))),
+)
+SMOKE = Sizes(
+    lkv=64,
+    rope=16,
+    page=16,
+    cases=(("3 x 40", (40,) * 3),),
+    ragged=(4, 64),
+    heads=((16, True),),
+    sweep_cases={16: ("3 x 40",), 128: ("3 x 40",)},
+    fp8_sweep_cases=((16, ("3 x 40",)),),
+)
+
+
+def _inputs(rng, seq_lens, n, sets, sizes: Sizes):
     """Random q, a paged cache with randomly placed pages, and block tables; ``sets`` copies
     of the cache (rotated between calls when one copy would sit in L2)."""
     b = len(seq_lens)
-    pages = -(-seq_lens // PAGE)
+    pages = -(-seq_lens // sizes.page)
     width = int(pages.max())
     num_pages = int(pages.sum()) + 1
     perm = rng.permutation(num_pages)
@@ -40,34 +100,38 @@ def _inputs(rng, seq_lens, n, sets):
     table[np.arange(width)[None, :] < pages[:, None]] = perm[: int(pages.sum())]
     key = jax.random.key(int(rng.integers(2**31)))
     ks = jax.random.split(key, 2 + sets)
-    q_lat = jax.random.normal(ks[0], (b, n, LKV), jnp.bfloat16)
-    q_pe = jax.random.normal(ks[1], (b, n, R), jnp.bfloat16)
-    caches = [jax.random.normal(k, (num_pages, PAGE, LKV + R), jnp.bfloat16) for k in ks[2:]]
+    q_lat = jax.random.normal(ks[0], (b, n, sizes.lkv), jnp.bfloat16)
+    q_pe = jax.random.normal(ks[1], (b, n, sizes.rope), jnp.bfloat16)
+    cache_shape = (num_pages, sizes.page, sizes.lkv + sizes.rope)
+    caches = [jax.random.normal(k, cache_shape, jnp.bfloat16) for k in ks[2:]]
     lens = jnp.asarray(seq_lens, jnp.int32)
     return [(q_lat, q_pe, c, jnp.asarray(table), lens) for c in caches]
 
 
-@jax.jit
-def _quantized(cache: jax.Array) -> fp8.Fp8Cache:
-    """The FP8 layout of a bf16 cache ``[pages, PAGE, LKV + R]`` (what ``write_cache`` would
-    have stored for the same rows)."""
-    values, scales = fp8.quantize(cache[..., :LKV])
-    return fp8.Fp8Cache(values, cache[..., LKV:], scales)
+@functools.partial(jax.jit, static_argnums=1)
+def _quantized(cache: jax.Array, lkv: int) -> fp8.Fp8Cache:
+    """The FP8 layout of a bf16 cache ``[pages, page, lkv + rope]`` (what ``write_cache``
+    would have stored for the same rows)."""
+    values, scales = fp8.quantize(cache[..., :lkv])
+    return fp8.Fp8Cache(values, cache[..., lkv:], scales)
 
 
-def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=False):
+def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, quantized=False):
     """Times the kernel on one batch; ``quantized``: over the FP8 layout of the same kind of
     random cache."""
     seq_lens = np.asarray(seq_lens)
-    token_bytes = FP8_TOKEN_BYTES if quantized else (LKV + R) * 2
+    lkv, rope = sizes.lkv, sizes.rope
+    token_bytes = sizes.fp8_token_bytes if quantized else (lkv + rope) * 2
     cache_bytes = int(seq_lens.sum()) * token_bytes
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
-    arg_sets = _inputs(rng, seq_lens, n, sets)
+    arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     if quantized:
-        arg_sets = [(*a[:2], _quantized(a[2]), *a[3:]) for a in arg_sets]
-    config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
+        arg_sets = [(*a[:2], _quantized(a[2], lkv), *a[3:]) for a in arg_sets]
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
-    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=config.block_k)
+    )
     # The schedule is an argument (as it is in the model), not a constant baked in.
     kernel = jax.jit(
         lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
@@ -77,20 +141,20 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
     us = timing.us
     tokens = int(seq_lens.sum())
     b = len(seq_lens)
-    nbytes = tokens * token_bytes + b * n * (LKV + R) * 2 + b * n * LKV * 2
+    nbytes = tokens * token_bytes + b * n * (lkv + rope) * 2 + b * n * lkv * 2
     result = {
         "case": label,
         "N": n,
         "cache": "fp8" if quantized else "bf16",
         "us": us,
         "GB/s": nbytes / us / 1e3,
-        "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / us / 1e6,
+        "TFLOP/s": 2 * n * tokens * (lkv + rope + lkv) / us / 1e6,
         "items": int(schedule.req_items[-1]),
         "programs": programs,
         "timing": timing,
     }
     if with_reference:
-        ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
+        ref = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))
         out, lse = kernel(*arg_sets[0])
         want, want_lse = ref(*arg_sets[0][:5])
         err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(
@@ -106,24 +170,17 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
     return result
 
 
-CASES = [
-    ("1 x 16384", [16384]),
-    ("32 x 4096", [4096] * 32),
-    ("128 x 4096", [4096] * 128),
-    ("64 x 16384", [16384] * 64),
-]
-
-
-def _ragged(rng):
-    lens = rng.integers(1, 8193, 128)
-    uniform = [int(lens.sum()) // 128] * 128
+def _ragged(rng, sizes: Sizes):
+    count, longest = sizes.ragged
+    lens = rng.integers(1, longest + 1, count)
+    uniform = [int(lens.sum()) // count] * count
     return [
-        (f"ragged 128 in [1, 8192] ({lens.sum()} tok)", lens),
+        (f"ragged {count} in [1, {longest}] ({lens.sum()} tok)", lens),
         ("uniform, same tokens", uniform),
     ]
 
 
-# The variants behind kernels.decode.default_config (each on top of the default).
+# The variants behind DecodeConfig.for_shape (each on top of its choice).
 SWEEP = {
     16: [
         {},
@@ -136,13 +193,11 @@ SWEEP = {
     ],
     128: [{}, dict(num_stages=2), dict(block_k=32, num_stages=4), dict(block_h=32, num_warps=4)],
 }
-# The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
-# 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower), each variant on top of the
-# default config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
+# The FP8 cache against bf16 on Sizes.fp8_sweep_cases, each variant on top of the default
+# config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
 # pipelining is worth: if bf16 without it is as slow as FP8, FP8's loads are likely not
 # pipelined (they are converted before their dot), which ``prefetch`` works around.
 # split_tail=False where prefetch needs it (the N = 128 default has it on).
-FP8_SWEEP_CASES = ((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",)))
 FP8_SWEEP_BF16 = [{}, dict(num_stages=1), dict(prefetch=True, split_tail=False)]
 FP8_SWEEP = [
     {},
@@ -156,9 +211,9 @@ FP8_SWEEP = [
 ]
 
 
-def _fp8_trials(rng) -> list:
-    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label from CASES."""
-    lens_of = dict(CASES)
+def _fp8_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label."""
+    lens_of = dict(sizes.cases)
     return [
         (
             {"case": label, "N": n, "cache": cache},
@@ -168,48 +223,61 @@ def _fp8_trials(rng) -> list:
                 label,
                 lens_of[label],
                 n,
+                sizes,
                 variant,
                 with_reference=cache == "fp8",  # the error of float16 conversion
                 quantized=cache == "fp8",
             ),
         )
-        for n, labels in FP8_SWEEP_CASES
+        for n, labels in sizes.fp8_sweep_cases
         for label in labels
         for cache, variants in (("bf16", FP8_SWEEP_BF16), ("fp8", FP8_SWEEP))
         for variant in variants
     ]
 
 
+def _trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of SWEEP on ``sizes.sweep_cases``."""
+    lens_of = dict(sizes.cases)
+    return [
+        (
+            {"case": label, "N": n},
+            v,
+            lambda label=label, n=n, v=v: _case(
+                rng, label, lens_of[label], n, sizes, v, with_reference=False
+            ),
+        )
+        for n, labels in sizes.sweep_cases.items()
+        for label in labels
+        for v in SWEEP[n]
+    ]
+
+
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(parser(__doc__, sweeps=("all", "fp8")))
+    sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
-    if args.sweep == "fp8":
-        sweep("decode_fp8", _fp8_trials(rng), args.out)
-        return
-    if args.sweep:
-        trials = [
-            (
-                {"case": label, "N": n},
-                v,
-                lambda label=label, lens=lens, n=n, v=v: _case(
-                    rng, label, lens, n, v, with_reference=False
-                ),
-            )
-            for n, cases in ((16, CASES[:3]), (128, CASES[2:3]))
-            for label, lens in cases
-            for v in SWEEP[n]
-        ]
-        sweep("decode", trials, args.out)
-        return
+    run(
+        args,
+        lambda: tables(rng, sizes, args.out),
+        {
+            "all": lambda: sweep("decode", _trials(rng, sizes), args.out),
+            "fp8": lambda: sweep("decode_fp8", _fp8_trials(rng, sizes), args.out),
+        },
+    )
+
+
+def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
+    """The bf16 table and the FP8 one beside it."""
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
     rows, fp8_rows = [], []
-    ragged = _ragged(rng)
+    ragged = _ragged(rng, sizes)
     # N = 8: a tensor-parallel shard (DeepSeek-V2-Lite's 16 heads over 2 GPUs), which the
     # kernel runs on 16 padded heads.
-    for n, cases in ((16, CASES + ragged), (128, CASES + ragged), (8, CASES)):
-        for label, lens in cases:
-            r = _case(rng, label, lens, n)
+    for n, ragged_and_fp8 in sizes.heads:
+        for label, lens in list(sizes.cases) + (ragged if ragged_and_fp8 else []):
+            r = _case(rng, label, lens, n, sizes)
             print(json.dumps(jsonable(r)), flush=True)
             cells = [
                 r["case"],
@@ -223,8 +291,8 @@ def main():
                 f"{r['rel_err']:.1e}",
             ]
             rows.append(row(cells, pallas=r["timing"], xla_reference=r["xla_timing"]))
-            if n in (16, 128):
-                q = _case(rng, label, lens, n, quantized=True)
+            if ragged_and_fp8:
+                q = _case(rng, label, lens, n, sizes, quantized=True)
                 print(json.dumps(jsonable(q)), flush=True)
                 cells = [
                     q["case"],
@@ -238,9 +306,10 @@ def main():
                     f"{q['rel_err']:.1e}",
                 ]
                 fp8_rows.append(row(cells, pallas_fp8=q["timing"], pallas_bf16=r["timing"]))
+    width = sizes.lkv + sizes.rope
     save(
         "decode",
-        "Paged MLA decode (Pallas), page 64, bf16",
+        f"Paged MLA decode (Pallas), page {sizes.page}, bf16",
         [
             "batch x context",
             "N",
@@ -258,18 +327,18 @@ def main():
             f"{copy.method}).",
             "us: median over 30 warm calls of the summed CUPTI kernel durations (split-KV "
             "kernel + combine), caches rotated so that no call finds its pages in L2.",
-            "GB/s counts 576 x 2 B per context token plus q and out; TFLOP/s counts "
-            "2 x N x context x (576 + 512).",
+            f"GB/s counts {width} x 2 B per context token plus q and out; TFLOP/s counts "
+            f"2 x N x context x ({width} + {sizes.lkv}).",
             "The XLA reference gathers every page into a contiguous copy first.",
             "N = 8 is a tensor-parallel shard (DeepSeek-V2-Lite's 16 heads over 2 GPUs); "
             "the kernel pads it to 16 heads, so it reads the same bytes as N = 16.",
         ],
         extra={"copy_bandwidth": copy.record()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
     save(
         "decode_fp8",
-        "Paged MLA decode (Pallas) over the FP8 cache, page 64, beside bf16",
+        f"Paged MLA decode (Pallas) over the FP8 cache, page {sizes.page}, beside bf16",
         [
             "batch x context",
             "N",
@@ -283,17 +352,19 @@ def main():
         ],
         fp8_rows,
         [
-            "FP8 cache (kernels/fp8.py, FlashMLA's layout): per token 512 e4m3 latent values, "
-            "4 float32 power-of-two scales (one per 128), 64 bf16 rope values: 656 B "
-            "(bf16: 1152 B); queries bf16, dots bf16 with float32 accumulation.",
+            f"FP8 cache (kernels/fp8.py, FlashMLA's layout): per token {sizes.lkv} e4m3 latent "
+            f"values, {fp8.num_groups(sizes.lkv)} float32 power-of-two scales (one per 128), "
+            f"{sizes.rope} bf16 rope values: {sizes.fp8_token_bytes} B (bf16: {2 * width} B); "
+            "queries bf16, dots bf16 with float32 accumulation.",
             "bf16 us: the bf16 table's row of the same run (same case, same seed stream; "
             "the FP8 inputs are a fresh random cache of the same distribution, quantized).",
-            "GB/s counts 656 B per context token plus q and out; the copy bandwidth is the "
+            f"GB/s counts {sizes.fp8_token_bytes} B per context token plus q and out; the copy "
+            "bandwidth is the "
             f"bf16 table's ({copy.gbs:.0f} GB/s).",
             "rel err: against the pure-jnp reference on the same FP8 cache (which dequantizes "
             "exactly in bf16).",
         ],
-        out_dir=args.out,
+        out_dir=out_dir,
     )
 
 

@@ -5,13 +5,13 @@ by group: group g owns rows ``[offset[g], offset[g] + group_sizes[g])``, ``offse
 exclusive cumulative sum of ``group_sizes``. Rows past the last group are padding and get 0.
 
 Rows are cut into tiles of ``block_m`` rows that never straddle two groups; the tile -> group
-schedule (``plan``) is built on the device with jnp under a static bound on the tile count
-(``max_tiles``), or on the host with NumPy. Each program computes one tile x ``block_n``
-output columns, looping over K in steps of ``block_k``. An empty group has no tile, so its
-weights are never read: at decode, where a few tokens pick a few experts, only the chosen
-experts' weights move. Unlike ``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul
-over every group (24 TFLOP/s where a dense matmul runs at 821, H100, jax 0.11.2), the work
-here is proportional to the rows.
+schedule (``schedule_row_tiles``, the shared ``tiling`` planner) is built on the device with
+jnp under a static bound on the tile count (``tiling.max_tiles``), or on the host with NumPy.
+Each program computes one tile x ``block_n`` output columns, looping over K in steps of
+``block_k``. An empty group has no tile, so its weights are never read: at decode, where a
+few tokens pick a few experts, only the chosen experts' weights move. Unlike
+``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul over every group (every row
+times every group's matrix), the work here is proportional to the rows.
 
 Programs run n-block-fastest (grid ``(n_blocks, tiles)``): the programs in flight share a few
 row tiles (kept in L2 across their n-blocks) and one expert's weights (kept in L2 across its
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,81 +29,56 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import online_softmax
+from .. import online_softmax, tiling
 
 # The smallest tile along any dot dimension (a Triton dot operand is at least 16 wide).
 _MIN_TILE = 16
 
 
-class GroupedMatmulConfig(NamedTuple):
-    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16)."""
-
-    block_m: int  # rows per tile (a tile holds rows of one group)
-    block_n: int  # output columns per program
-    block_k: int  # reduction depth per step
-    num_warps: int
-    num_stages: int
-
-
-def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
-    """Launch parameters by the mean rows per group (static shapes only, so it works under
-    jit). Few rows per group (decode: batch x top-k spread over the experts) is a stream of
-    weights: 16-row tiles, so that one tile covers an expert's tokens and its weights are read
-    once, with deep K steps and a deep pipeline. Many rows (prefill) is compute: 128 x 128
-    tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py --sweep``'s prefill variants
-    on an H200, 2026-11-22: 468 TFLOP/s against 441 for 128 wide; its decode variants were
-    within 3% of each other)."""
-    rows_per_group = num_rows / max(num_groups, 1)
-    if rows_per_group <= 16:
-        return GroupedMatmulConfig(16, 128, 128, num_warps=4, num_stages=4)
-    if rows_per_group <= 64:
-        return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=4)
-    return GroupedMatmulConfig(128, 256, 64, num_warps=8, num_stages=3)
-
-
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """Row tile ``t`` covers rows ``[tile_start[t], tile_end[t])`` of group ``tile_group[t]``
-    (``G``, one past the last group, for the padding rows after the groups, which get 0);
-    tiles past the real ones are empty and do nothing. ``block_m`` is the tile height the
-    kernel runs with."""
+class GroupedMatmulConfig:
+    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16);
+    ``for_shape`` picks them for a shape, ``dataclasses.replace`` makes variants. The
+    defaults suit many rows per group (prefill: compute-bound)."""
 
-    tile_group: jax.Array  # [num_tiles] int32
-    tile_start: jax.Array  # [num_tiles] int32
-    tile_end: jax.Array  # [num_tiles] int32
-    block_m: int = dataclasses.field(metadata={"static": True})
+    block_m: int = 128  # rows per tile (a tile holds rows of one group)
+    block_n: int = 256  # output columns per program
+    block_k: int = 64  # reduction depth per step
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def for_shape(cls, num_rows: int, num_groups: int) -> GroupedMatmulConfig:
+        """Launch parameters by the mean rows per group (static shapes only, so it works
+        under jit). Few rows per group (decode: batch x top-k spread over the experts) is a
+        stream of weights: 16-row tiles, so that one tile covers an expert's tokens and its
+        weights are read once, with deep K steps and a deep pipeline. Many rows (prefill) is
+        compute: 128-row tiles 256 columns wide (the fastest of ``scripts/bench_moe.py
+        --sweep``'s prefill variants; its decode variants ran about even)."""
+        rows_per_group = num_rows / max(num_groups, 1)
+        if rows_per_group <= 16:
+            return cls(16, 128, 128, num_warps=4, num_stages=4)
+        if rows_per_group <= 64:
+            return cls(64, 128, 64, num_warps=4, num_stages=4)
+        return cls()
 
 
-def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
-    """A static bound on the tile count: ``G + 1`` segments (the groups and the padding after
-    them) of ``num_rows`` rows in all make at most ``cdiv(num_rows, block_m) + G`` tiles."""
-    return -(-num_rows // block_m) + num_groups
-
-
-def plan(group_sizes, num_rows: int, block_m: int, *, num_tiles=None, xp=np) -> TileSchedule:
-    """Tiles of ``block_m`` rows per group, in group order, then the padding rows. ``xp=np``
-    on the host (``num_tiles`` defaults to the exact count) or ``xp=jnp`` traced, with
-    ``num_tiles`` a static bound (``max_tiles``). Group sizes past ``num_rows`` rows are cut
-    at ``num_rows``."""
+def schedule_row_tiles(
+    group_sizes, num_rows: int, rows_per_tile: int, *, num_tiles: int | None = None, xp=np
+) -> tiling.TileSchedule:
+    """The row tiles of groups of ``group_sizes [G]`` rows (and of the padding rows after
+    them up to ``num_rows``): ``rows_per_tile`` rows of one group each, in group order. Group
+    sizes past ``num_rows`` rows are cut at ``num_rows``. ``xp=np`` on the host, or ``xp=jnp``
+    traced with ``num_tiles`` a static bound (``tiling.max_tiles(num_rows, G,
+    rows_per_tile)``)."""
     sizes = xp.asarray(group_sizes).astype(xp.int32)
     ends = xp.minimum(xp.cumsum(sizes).astype(xp.int32), num_rows)
-    starts = xp.concatenate([xp.zeros(1, xp.int32), ends])  # G + 1 segments: groups, padding
-    ends = xp.concatenate([ends, xp.full(1, num_rows, xp.int32)])
-    counts = -(-(ends - starts) // block_m)
-    first = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
-    if num_tiles is None:
-        num_tiles = int(first[-1])
-    t = xp.arange(num_tiles, dtype=xp.int32)
-    seg = xp.clip(xp.searchsorted(first, t, side="right") - 1, 0, counts.shape[0] - 1)
-    real = t < first[-1]
-    lo = xp.where(real, starts[seg] + (t - first[seg]) * block_m, 0)
-    hi = xp.where(real, xp.minimum(lo + block_m, ends[seg]), 0)
-    return TileSchedule(seg.astype(xp.int32), lo.astype(xp.int32), hi.astype(xp.int32), block_m)
+    offsets = xp.concatenate([xp.zeros(1, xp.int32), ends])
+    return tiling.schedule_tiles(offsets, num_rows, rows_per_tile, num_tiles=num_tiles, xp=xp)
 
 
 def _grouped_matmul_kernel(
-    tile_group_ref,
+    tile_segment_ref,
     tile_start_ref,
     tile_end_ref,
     group_offset_ref,
@@ -120,7 +94,7 @@ def _grouped_matmul_kernel(
     """One row tile x ``block_n`` output columns."""
     j, t = pl.program_id(0), pl.program_id(1)
     _, depth, width = rhs_ref.shape
-    g, r0, r1 = tile_group_ref[t], tile_start_ref[t], tile_end_ref[t]
+    g, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
     # store zeros where they own rows; no weight of any group is read for them.
     has_group = (g < num_groups) & (r0 < r1)
@@ -210,7 +184,7 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     group_offset: int | jax.Array = 0,
-    schedule: TileSchedule | None = None,
+    schedule: tiling.TileSchedule | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -224,10 +198,11 @@ def grouped_matmul(
       group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
         A stacked model passes every layer's experts (``[L * E, K, N]``, a free reshape) and
         ``layer * E``: slicing one layer's experts out under a scan would copy them each step.
-      schedule: the row tiles (``plan``; its ``block_m`` wins); None plans them on the
-        device, up to the static bound ``max_tiles``.
-      config: launch parameters (default: ``default_config(M, G)``); block sizes larger than
-        a dimension shrink to the power of two that fits it (at least 16).
+      schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
+        ``config.block_m``); None plans them on the device, up to the static bound
+        ``tiling.max_tiles``.
+      config: launch parameters (default: ``GroupedMatmulConfig.for_shape(M, G)``); block
+        sizes larger than a dimension shrink to the power of two that fits it (at least 16).
 
     Returns:
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
@@ -236,9 +211,9 @@ def grouped_matmul(
     _check(lhs, rhs, group_sizes, group_offset)
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config or default_config(lhs.shape[0], group_sizes.shape[0])
+    config = config or GroupedMatmulConfig.for_shape(lhs.shape[0], group_sizes.shape[0])
     if schedule is not None:
-        config = config._replace(block_m=schedule.block_m)
+        config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     return _grouped_matmul(
         lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret
@@ -258,14 +233,14 @@ def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, in
     n = rhs.shape[2]
     block_n, block_k = _fit(config.block_n, n), _fit(config.block_k, k)
     if schedule is None:
-        schedule = plan(
+        schedule = schedule_row_tiles(
             group_sizes,
             m,
             config.block_m,
-            num_tiles=max_tiles(m, num_groups, config.block_m),
+            num_tiles=tiling.max_tiles(m, num_groups, config.block_m),
             xp=jnp,
         )
-    block_m = schedule.block_m
+    block_m = schedule.rows_per_tile
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
@@ -280,12 +255,12 @@ def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, in
     )
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(rhs.shape[2], block_n), schedule.tile_group.shape[0]),
+        grid=(pl.cdiv(rhs.shape[2], block_n), schedule.tile_segment.shape[0]),
         out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), lhs.dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         interpret=interpret,
         name="grouped_matmul",
-    )(schedule.tile_group, schedule.tile_start, schedule.tile_end, group_offset, lhs, rhs)
+    )(schedule.tile_segment, schedule.tile_start, schedule.tile_end, group_offset, lhs, rhs)
     return out[:m, :n]

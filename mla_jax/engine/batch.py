@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mla_jax.cache.metadata import Buckets
+from mla_jax.cache.metadata import Buckets, is_decode
 from mla_jax.engine.scheduler import Scheduled
 
 
@@ -42,8 +42,8 @@ class StepBatch:
 
     @property
     def is_decode(self) -> np.ndarray:
-        """``[R]`` bool: the requests that run one token."""
-        return self.query_lens == 1
+        """``[R]`` bool: the requests that run one token (``metadata.is_decode``)."""
+        return is_decode(self.query_lens)
 
     @property
     def num_decodes(self) -> int:

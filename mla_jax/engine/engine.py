@@ -6,7 +6,10 @@ tokens come back to the requests and the scheduler: data flows one way. With
 ``async_scheduling`` (the default) it builds and launches step n+1 before reading step n's
 sampled tokens, as vLLM's asynchronous scheduling does, so the host's work overlaps the
 device's; a request that ends on an EOS token is found one step late, and that step's token
-for it is dropped.
+for it is dropped. With prefix caching (the default) a request starts from the longest
+prefix of its prompt that an earlier request left in the cache (``cache/block_manager.py``);
+with data parallelism it joins the rank that caches the longest such prefix, if that rank has
+room.
 
 Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
 decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
@@ -24,7 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
+from mla_jax.cache.block_manager import BlockManager
+from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
 from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
 from mla_jax.engine.request import Request, RequestError
@@ -60,6 +64,9 @@ class EngineConfig:
     # own num_blocks / data_parallel cache blocks; max_num_seqs and max_num_batched_tokens
     # bound each rank's step (sharding.py).
     data_parallel: int = 1
+    # Keep full blocks by content and start a request from the longest cached prefix of its
+    # prompt (cache/block_manager.py); each DP rank caches its own blocks.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name in (
@@ -145,10 +152,12 @@ class StepRecord(NamedTuple):
 
 @dataclasses.dataclass
 class Stats:
-    """What the engine did so far: steps, tokens, time, compilations, preemptions."""
+    """What the engine did so far: steps, tokens, time, compilations, preemptions, prefix
+    cache hits."""
 
     steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # computed (a preempted request's again when recomputed)
+    cached_prompt_tokens: int = 0  # taken from the prefix cache instead of computed
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     compile_s: float = 0.0  # compiling, or loading from the compilation cache
@@ -159,6 +168,12 @@ class Stats:
     step_records: list[StepRecord] = dataclasses.field(default_factory=list)
 
     @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Of the prompt tokens requests needed in the cache, the share found there."""
+        needed = self.prompt_tokens + self.cached_prompt_tokens
+        return self.cached_prompt_tokens / needed if needed else None
+
+    @property
     def buckets(self) -> list[StepShape]:
         """The shapes of the programs compiled (or loaded) so far."""
         return [program.shape for program in self.compiled]
@@ -167,9 +182,12 @@ class Stats:
         """The stats as JSON-ready numbers (``result.json``), with medians of decode steps."""
         run_s = max(self.elapsed_s - self.compile_s, 1e-9)
         decode_steps = [r for r in self.step_records if r.decodes and not r.prefill_tokens]
+        hit_rate = self.prefix_cache_hit_rate
         return {
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache_hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "generated_tokens": self.generated_tokens,
             "elapsed_s": round(self.elapsed_s, 4),
             "compile_s": round(self.compile_s, 4),
@@ -261,12 +279,16 @@ class Engine:
             seed=seed,
             mesh=mesh,
         )
-        # One allocator and scheduler per DP rank, over its blocks less its scratch blocks.
+        # One block manager and scheduler per DP rank, over its blocks less its scratch blocks.
         self.rank_blocks = cfg.num_blocks // cfg.data_parallel
         self.blocks_per_rank = self.rank_blocks - scratch_blocks(cfg.block_size, cfg.data_parallel)
         self.schedulers = [
             Scheduler(
-                BlockAllocator(self.blocks_per_rank),
+                BlockManager(
+                    self.blocks_per_rank,
+                    cfg.block_size,
+                    enable_caching=cfg.enable_prefix_caching,
+                ),
                 block_size=cfg.block_size,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs,
@@ -410,7 +432,7 @@ class Engine:
         """Compiles programs ahead of serving: by default all of ``step_shapes()``, else
         those of the given steps, each a list of ``(context_len, query_len)`` pairs, decodes
         (query_len 1) first, e.g. ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on
-        dummy tokens in freshly allocated blocks, which go back to the allocator: call it
+        dummy tokens in freshly allocated blocks, which go back to the block manager: call it
         while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
         so far). With data parallelism the steps run on the first rank, the others padded."""
         if steps is not None:
@@ -461,12 +483,8 @@ class Engine:
     def _run(self, requests: list[Request], progress_every_s: float) -> list[Request]:
         """Queues ``requests`` and runs steps until every rank's queues are empty."""
         schedulers = self.schedulers
-        for req in requests:  # to the DP rank with the fewest requests
-            rank = min(
-                range(len(schedulers)),
-                key=lambda r: len(schedulers[r].running) + len(schedulers[r].waiting),
-            )
-            schedulers[rank].add(req)
+        for req in requests:
+            schedulers[self._rank_for(req)].add(req)
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
         in_flight: InFlight | None = None
@@ -481,7 +499,7 @@ class Engine:
                     self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
                 launched = self._launch(batches, in_flight, started)
             elif in_flight is None:
-                free = [s.allocator.num_free for s in schedulers]
+                free = [s.block_manager.num_free for s in schedulers]
                 raise CacheFullError(f"no request can be scheduled: {sum(free)} free blocks")
             if in_flight is not None:  # the device already has the next step, if any
                 self._collect(in_flight, t_start)
@@ -492,6 +510,7 @@ class Engine:
             now = time.perf_counter()
             self.stats.elapsed_s = elapsed_before + now - t_start
             self.stats.preemptions = sum(s.preemptions for s in schedulers)
+            self.stats.cached_prompt_tokens = sum(s.cached_prompt_tokens for s in schedulers)
             has_work = any(s.has_work for s in schedulers)
             if now - t_log >= progress_every_s or not (has_work or in_flight):
                 t_log = now
@@ -509,11 +528,33 @@ class Engine:
         for req in requests:
             req.num_computed = req.num_pending = 0
 
+    def _rank_for(self, req: Request) -> int:
+        """The DP rank ``req`` joins: of the ranks with room (fewer than ``max_num_seqs``
+        requests running or waiting), the one caching the longest prefix of its prompt, the
+        least loaded of those on a tie; with no prefix cached on any, the least loaded rank."""
+        schedulers = self.schedulers
+        loads = [len(s.running) + len(s.waiting) for s in schedulers]
+        least_loaded = min(range(len(schedulers)), key=loads.__getitem__)
+        if len(schedulers) == 1 or not self.cfg.enable_prefix_caching:
+            return least_loaded
+        cached = {
+            rank: len(schedulers[rank].block_manager.match(req.prompt_ids))
+            for rank in range(len(schedulers))
+            if loads[rank] < self.cfg.max_num_seqs
+        }
+        best = max(cached, key=lambda rank: (cached[rank], -loads[rank]), default=None)
+        return best if best is not None and cached[best] else least_loaded
+
     def _progress(self, running: int, waiting: int) -> str:
         s = self.stats.as_dict()
+        hit_rate = s["prefix_cache_hit_rate"]
+        cached = f"{s['cached_prompt_tokens']} cached" + (
+            "" if hit_rate is None else f" (hit rate {hit_rate:.1%})"
+        )
         return (
             f"step {s['steps']}: {running} running, {waiting} waiting | "
-            f"{s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens, "
+            f"{s['prompt_tokens']} prompt tokens computed, {cached}, "
+            f"{s['generated_tokens']} generated; "
             f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling or loading "
             f"{len(self.stats.buckets)} buckets)"
         )

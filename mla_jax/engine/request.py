@@ -78,6 +78,7 @@ class Request:
     block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed: int = 0  # tokens in the cache, or being written by a step in flight
     num_pending: int = 0  # tokens sampled by steps whose results the host has not read
+    num_cached_blocks: int = 0  # leading blocks the prefix cache knows by content
     finished: bool = False
     token_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter, per output
 

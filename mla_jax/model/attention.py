@@ -25,6 +25,7 @@ from mla_jax.cache.latent_cache import as_stored, write_cache
 from mla_jax.cache.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from mla_jax.cache.packing import PackedMetadata
 from mla_jax.kernels.fp8 import Fp8Cache
+from mla_jax.kernels.paged import gather_rows
 from mla_jax.model.checks import check_hidden, check_packed, check_step
 from mla_jax.model.config import MLAConfig
 from mla_jax.model.layers import RMSNorm, linear, matmul_precision
@@ -303,4 +304,4 @@ def _gather_workspace(
     i = jnp.arange(workspace_size)
     request = jnp.clip(jnp.searchsorted(cu_seq_lens, i, side="right") - 1, 0, starts.shape[0] - 1)
     position = starts[request] + i - cu_seq_lens[request]
-    return kernels.reference.gather_rows(cache, block_table, request, position, i < total)
+    return gather_rows(cache, block_table, request, position, i < total)

@@ -109,7 +109,7 @@ def routed_experts(
     down_proj: jax.Array,
     *,
     layer: int | jax.Array | None = None,
-    grouped_matmul: Callable = kernels.reference.grouped_matmul,
+    grouped_matmul: Callable = kernels.REFERENCE.grouped_matmul,
 ) -> jax.Array:
     """Sum over each token's chosen experts of ``weight x down(silu(gate(x)) * up(x))``.
 

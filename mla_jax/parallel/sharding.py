@@ -34,6 +34,7 @@ no collective crosses ``"dp"``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -87,8 +88,24 @@ def make_mesh(
             f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {needed} "
             f"devices; {len(devices)} are available ({devices[0].platform})"
         )
+    _partitioner_for_data_parallel()
     grid = np.array(devices[:needed]).reshape(data_parallel, tensor_parallel)
     return Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
+
+
+def _partitioner_for_data_parallel() -> None:
+    """jaxlib 0.11's Shardy partitioner crashes the process (SIGSEGV, in its pipeline before
+    any pass runs) compiling a data-parallel prefill step with a chunked-context bucket;
+    0.10 and 0.12 compile it. On 0.11 the data-parallel mesh switches JAX to its GSPMD
+    partitioner (a process-wide setting), said once on the log."""
+    if jax.__version_info__[:2] != (0, 11) or not jax.config.jax_use_shardy_partitioner:
+        return
+    jax.config.update("jax_use_shardy_partitioner", False)
+    logging.getLogger(__name__).warning(
+        "jax %s: data parallelism compiles with the GSPMD partitioner "
+        "(jax_use_shardy_partitioner=False): this version's Shardy crashes on the step",
+        jax.__version__,
+    )
 
 
 def data_parallel(mesh: Mesh | None) -> int:

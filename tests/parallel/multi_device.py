@@ -14,7 +14,10 @@ under ``shard_map`` at ``inspect_tp`` (heads or experts split). The job's ``dp_r
 (checkpoint, data_parallel, tensor_parallel, impl) run with ``dp_flags``; for the ``inspect``
 checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result holds the cache's
 placement, each step's requests per DP rank and the collectives with their device groups.
-The test file judges them.
+The job's ``prefix`` runs its waves of prompts (one ``generate`` call each) on one engine with
+prefix caching, its flags and (data_parallel, tensor_parallel): the result holds each
+request's tokens, the DP rank it joined and each wave's cached prompt tokens. The test file
+judges them.
 """
 
 from __future__ import annotations
@@ -130,6 +133,34 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
     }
 
 
+def _prefix_caching(path: str, flags: list[str], prefix: dict) -> dict:
+    """The ``prefix`` job's waves on one engine (``generate.py``'s settings from ``flags``,
+    sized for all the waves' prompts): tokens, DP rank and cached prompt tokens."""
+    generate = generate_script()
+    parser = generate._parser()
+    data_parallel, tensor_parallel = prefix["data_parallel"], prefix["tensor_parallel"]
+    argv = ["--model", path, *flags, "--dp", str(data_parallel), "--tp", str(tensor_parallel)]
+    args = parser.parse_args(argv)
+    prompts = [prompt for wave in prefix["waves"] for prompt in wave]
+    _, model = load_model(path)
+    engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
+    ranks = []
+    rank_for = engine._rank_for
+
+    def recording_rank_for(req):
+        ranks.append(rank_for(req))
+        return ranks[-1]
+
+    engine._rank_for = recording_rank_for
+    tokens, cached = [], []
+    for wave in prefix["waves"]:
+        before = engine.stats.cached_prompt_tokens
+        requests = engine.generate([Request(p, args.max_new_tokens) for p in wave])
+        tokens.append([req.output_ids for req in requests])
+        cached.append(engine.stats.cached_prompt_tokens - before)
+    return {"prefix_tokens": tokens, "prefix_ranks": ranks, "prefix_cached": cached}
+
+
 def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     """The Pallas kernels (interpreted) under ``sharding.sharded_kernels``, each rank on its
     heads or experts, against the unsharded references: relative error of each output."""
@@ -205,6 +236,15 @@ def main(job_path: str, result_path: str) -> None:
             *job["dp_inspect"],
         )
     )
+    if "prefix" in job:
+        prefix = job["prefix"]
+        inspected.update(
+            _prefix_caching(
+                job["checkpoints"][prefix["checkpoint"]],
+                [*prefix["flags"], "--impl", "reference"],
+                prefix,
+            )
+        )
     with open(result_path, "w") as f:
         json.dump(
             {"devices": jax.device_count(), "tokens": tokens, "kernel_errors": errors, **inspected},
