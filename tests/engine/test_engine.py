@@ -380,6 +380,28 @@ def test_an_error_mid_generation_rolls_the_engine_back(tiny, rng, monkeypatch, f
     _assert_serves_like_a_fresh_engine(engine, tiny, prompts)
 
 
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny, rng, monkeypatch):
+    """The prefix cache knows a block by content when its step is scheduled, before the
+    step runs; a step that fails to launch never writes those rows, so the rollback forgets
+    them: the same prompt afterwards takes nothing from the cache and gets a fresh engine's
+    tokens (it read unwritten rows)."""
+    prompt = rng.integers(0, 512, 40).tolist()  # two full blocks of 16
+    engine = _quiet_engine(tiny)
+    launch = engine.runner.launch
+
+    def failing_launch(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "launch", failing_launch)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate([Request(prompt, 4)])
+    _assert_clean(engine)
+    assert engine.schedulers[0].block_manager.num_cached == 0
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    _assert_serves_like_a_fresh_engine(engine, tiny, [prompt])
+    assert engine.schedulers[0].cached_prompt_tokens == 0
+
+
 @pytest.mark.parametrize("array", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
 def test_integer_array_prompts_give_the_list_tokens(tiny, rng, array):
     prompts = [rng.integers(0, 512, n) for n in (6, 11)]
