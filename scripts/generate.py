@@ -224,6 +224,42 @@ def _check_output(ap: argparse.ArgumentParser, path: str) -> None:
         ap.error(f"--output {path} is not writable")
 
 
+def _compilation_cache(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, *, enable: bool
+) -> None:
+    """Checks the persistent compilation cache's folder (unless --no-compilation-cache):
+    before anything is loaded, a file where it should be is refused; with ``enable``, it
+    turns the cache on, refusing a folder that cannot be made."""
+    if args.no_compilation_cache:
+        return
+    path = args.compilation_cache or compilation.default_program_dir()
+    try:
+        if not enable:
+            compilation.check_folder(path)
+            return
+        compilation.enable_cache(path)
+    except OSError as e:
+        flag = f"--compilation-cache {path}"
+        if args.compilation_cache is None:
+            flag = f"the compilation cache {path} (default; see --compilation-cache)"
+        ap.error(f"{flag}: {e}")
+    print(f"compilation cache: {path}", file=sys.stderr)
+
+
+def _check_max_model_len(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, model_dir: str
+) -> int:
+    """The model's ``max_position_embeddings`` (from config.json); refuses a --max-model-len
+    beyond it before the weights load."""
+    max_positions = load_config(model_dir).max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > max_positions:
+        ap.error(
+            f"--max-model-len {args.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    return max_positions
+
+
 def _tokenizer(ap: argparse.ArgumentParser, model_dir: str):
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
@@ -232,7 +268,10 @@ def _tokenizer(ap: argparse.ArgumentParser, model_dir: str):
         from tokenizers import Tokenizer
     except ImportError:
         ap.error("--prompt needs the 'tokenizers' package (pip install tokenizers)")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        ap.error(f"--prompt: {path} is not a tokenizer file the tokenizers package reads: {e}")
 
 
 def _engine_config(
@@ -286,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("give at least one --prompt-ids (or --prompt)")
     if args.max_new_tokens is None:
         ap.error("the following arguments are required: --max-new-tokens")
+    _compilation_cache(ap, args, enable=False)
 
     model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
     tokenizer = _tokenizer(ap, model_dir) if args.prompt else None
@@ -293,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     if tokenizer is not None:
         prompts += [tokenizer.encode(text).ids for text in args.prompt]
     cfg = _engine_config(ap, args, prompts)
+    _check_max_model_len(ap, args, model_dir)
     placement = None
     if args.tp > 1 or args.dp > 1:  # refused before the weights load, which then go
         # straight to their shards
@@ -302,10 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
             placement = sharding.placement(sharding.make_mesh(args.tp, args.dp))
         except ValueError as e:
             ap.error(f"{flags}: {e}")
-    if not args.no_compilation_cache:
-        path = compilation.enable_cache(args.compilation_cache)
-        print(f"compilation cache: {path}", file=sys.stderr)
-
+    _compilation_cache(ap, args, enable=True)
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
     _, model = load_model(
         model_dir,
@@ -341,7 +379,7 @@ def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     """Prints every program the engine would run for this model and these flags."""
     model_dir = tiny_checkpoint() if args.model == "tiny" else args.model
     cfg = _engine_config(ap, args, [])
-    max_model_len = cfg.model_len(load_config(model_dir).max_position_embeddings)
+    max_model_len = cfg.model_len(_check_max_model_len(ap, args, model_dir))
     shapes = cfg.fixed_buckets(max_model_len).step_shapes(cfg.workspace_size)
     print(f"{len(shapes)} programs (max_model_len {max_model_len}):")
     for shape in shapes:

@@ -3,9 +3,19 @@ tests write DeepSeek-V3-style FP8 checkpoints with (the library only reads them)
 
 from __future__ import annotations
 
+import json
+import os
+import re
+
 import numpy as np
 
-from mla_jax.checkpoint.fp8_weights import FP8, FP8_MAX, FP8BlockQuantization
+from mla_jax.checkpoint.fp8_weights import (
+    FP8,
+    FP8_MAX,
+    FP8BlockQuantization,
+    dequantize,
+    scale_name,
+)
 
 
 def quantize(
@@ -85,3 +95,34 @@ def write_fp8_checkpoint(path, seed: int, blocks: FP8BlockQuantization):
     }
     (path / "config.json").write_text(json.dumps(config))
     return hf, sorted(quantized)
+
+
+def quantize_checkpoint(model_dir, quantization: FP8BlockQuantization) -> dict[str, np.ndarray]:
+    """Rewrites the single-file HF checkpoint in ``model_dir`` as DeepSeek publishes FP8 ones:
+    every linear layer's weight (``*_proj.weight``, ``kv_a_proj_with_mqa.weight``; not the
+    embedding, ``lm_head`` or the router) in float8_e4m3fn beside its float32
+    ``*.weight_scale_inv``, and ``quantization_config`` in config.json. Returns each
+    quantized weight dequantized (float32 ``[out, in]``), what the loader must give back."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    dequantized = {}
+    for name, tensor in list(tensors.items()):
+        if re.search(r"_proj(_with_mqa)?\.weight$", name):
+            weight, scale = quantize(tensor.float().numpy(), quantization)
+            tensors[name] = torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn)
+            tensors[scale_name(name)] = torch.from_numpy(scale)
+            dequantized[name] = dequantize(weight, scale, quantization)
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = os.path.join(model_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": list(quantization.weight_block_size),
+    }
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return dequantized

@@ -136,6 +136,16 @@ class BlockManager:
             else:
                 self._content[block] = parent = self._content[holder]
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Drops the cached content of those of ``block_ids`` that one sequence alone holds
+        (the caller): their rows may not be what the content says (a step that was to write
+        them failed). Blocks cached after them in a chain are no longer matched."""
+        for block in block_ids:
+            key = self._key[block]
+            if key is not None and self._refs[block] == 1:
+                del self._cached[key]
+                self._key[block] = None
+
     def release(self, block_ids: Sequence[int]) -> None:
         """One sequence less holds ``block_ids``, last to first: a block no sequence holds
         becomes evictable if cached, else free."""

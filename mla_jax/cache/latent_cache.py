@@ -12,6 +12,9 @@ A row holds ``concat(kv_c, k_pe)`` of one token. Token ``pos`` of a request live
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +125,23 @@ def write_cache(
     return _scatter(cache, rows, slot_mapping, layer)
 
 
+def as_stored(
+    cache: jax.Array | fp8.Fp8Cache, kv_c: jax.Array, k_pe: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``kv_c [T, Lkv]`` and ``k_pe [T, R]`` as a read of ``cache`` gives them back, in their
+    own dtypes: rounded to the cache's dtype, or for an ``Fp8Cache`` quantized as
+    ``write_cache`` quantizes them and dequantized (exact in bf16) as the kernels read them.
+    A prefill's new tokens attend these, so that every read of a token's latent, in its own
+    chunk or later from the cache, sees one value: a request's tokens do not depend on how
+    its prompt was chunked or whether it was recomputed after a preemption."""
+    if isinstance(cache, fp8.Fp8Cache):
+        values, scales = fp8.quantize(kv_c)
+        row = fp8.dequantize(values, k_pe.astype(cache.k_pe.dtype), scales)
+        lkv = kv_c.shape[-1]
+        return row[..., :lkv].astype(kv_c.dtype), row[..., lkv:].astype(k_pe.dtype)
+    return kv_c.astype(cache.dtype).astype(kv_c.dtype), k_pe.astype(cache.dtype).astype(k_pe.dtype)
+
+
 def _scatter(
     part: jax.Array, rows: jax.Array, slot_mapping: jax.Array, layer: int | jax.Array
 ) -> jax.Array:
@@ -134,13 +154,15 @@ def _scatter(
 
 
 class BlockAllocator:
-    """Hands out cache block ids from a free list."""
+    """Hands out cache block ids ``[0, num_blocks)`` from a free list, and takes back only
+    the ones it handed out (a block freed twice would later have two owners)."""
 
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -148,13 +170,41 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free block ids, now held by the caller (``CacheFullError`` when fewer are
+        free)."""
         if n > len(self._free):
             raise CacheFullError(
                 f"out of KV cache blocks: {n} needed, {len(self._free)} free of {self.num_blocks}"
             )
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        for block in taken:
+            self._is_free[block] = False
         return taken[::-1]
 
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(reversed(block_ids))
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Takes back held blocks (ints or NumPy integers). Refuses (``ValueError``, naming
+        the id; nothing is freed) an id it never handed out, one already free, or one given
+        twice."""
+        ids: list[int] = []
+        given: set[int] = set()
+        for block in block_ids:
+            try:
+                block = operator.index(block)
+            except TypeError:
+                raise ValueError(
+                    f"block id {block} ({type(block).__name__}) is not an integer"
+                ) from None
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(
+                    f"block {block} is not one of this allocator's blocks [0, {self.num_blocks})"
+                )
+            if block in given:
+                raise ValueError(f"block {block} is given twice")
+            if self._is_free[block]:
+                raise ValueError(f"block {block} is already free (freed twice?)")
+            ids.append(block)
+            given.add(block)
+        self._free.extend(reversed(ids))
+        for block in ids:
+            self._is_free[block] = True

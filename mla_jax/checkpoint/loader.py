@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -29,6 +29,7 @@ from safetensors.numpy import save_file
 from mla_jax.checkpoint.fp8_weights import (
     FP8,
     SCALE_SUFFIX,
+    FP8BlockQuantization,
     dequantize,
     read_safetensors,
     scale_name,
@@ -45,6 +46,8 @@ _SINGLE = "model.safetensors"
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # load_model's fp8_weights (generate.py's --fp8-weights).
 FP8_WEIGHTS = ("auto", "keep", "dequantize")
+# Those an fp8 weight's block scales may have (read_safetensors reads them).
+_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 class WeightsError(ValueError):
@@ -60,12 +63,16 @@ class TensorSlot(NamedTuple):
     hf_shape: tuple[int, ...]  # the shape the HF tensor must have
 
 
-def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+def hf_tensors(
+    path: tuple, shape: tuple[int, ...], cfg: ModelConfig, available: Container[str] = ()
+) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
     run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
-    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one. A kept
-    FP8 weight's scales (``<name>_scale_inv``, its grid in the weight's layout) hold the
-    ``weight_scale_inv`` tensors of its weight's tensors, each where its block grid lies."""
+    experts one per layer and expert (``moe.hf_expert_slice``), or one per layer where
+    ``available`` (a checkpoint's tensor names) has transformers' fused tensor of the layer's
+    experts; the rest hold one. A kept FP8 weight's scales (``<name>_scale_inv``, its grid in
+    the weight's layout) hold the ``weight_scale_inv`` tensors of its weight's tensors, each
+    where its block grid lies."""
     if str(path[-1]).endswith(SCALE_SUFFIX):
         return _scale_slots(path, shape, cfg)
     parts = [str(p) for p in path]
@@ -81,7 +88,8 @@ def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[Te
     for i in range(shape[0]):
         prefix = f"model.layers.{first + i}"
         if parts[2:4] == ["mlp", "experts"]:
-            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe):
+            fused = f"{prefix}.mlp.experts.{parts[4]}" in available
+            for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
                 where = hf_expert_slice(name, cfg.moe)
                 if where.param == parts[4]:
                     slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
@@ -179,6 +187,14 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + n_extra
 
 
+def _by_file(names: Iterable[str], files: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """``names`` grouped by the file holding them, files in name order."""
+    grouped = defaultdict(list)
+    for name in names:
+        grouped[files[name]].append(name)
+    return sorted(grouped.items())
+
+
 def _listing(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
@@ -220,11 +236,11 @@ def load_model(
         lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0), fp8_blocks=blocks)
     )
     graphdef, state = nnx.split(abstract)
+    files = _checkpoint_files(model_dir)
     params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
-        for slot in hf_tensors(path, var.shape, cfg):
+        for slot in hf_tensors(path, var.shape, cfg, files):
             params[slot.name] = (path, var, slot)
-    files = _checkpoint_files(model_dir)
 
     missing = sorted(set(params) - set(files))
     if missing:
@@ -237,26 +253,27 @@ def load_model(
     if unexpected:
         raise WeightsError(f"checkpoint {model_dir} has unexpected tensors: {_listing(unexpected)}")
 
-    by_file = defaultdict(list)
-    for name in params:
-        by_file[files[name]].append(name)
-    shards = sorted(by_file.items())
     # Headers first: a wrong dtype or shape in the last shard is refused before any data is read.
-    for file, names in shards:
+    headers = {}  # name -> (safetensors dtype, shape)
+    for file, names in _by_file([*params, *scales], files):
         with _open(file) as f:
             for name in names:
-                path, var, slot = params[name]
-                fp8 = _check_header(f.get_slice(name), name, slot, quantization)
-                if fp8 and scale_name(name) not in files:
-                    raise WeightsError(
-                        f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
-                    )
-                if var.dtype == FP8 and not fp8:
-                    raise WeightsError(
-                        f"tensor {name} is {f.get_slice(name).get_dtype()}, not fp8: kept FP8 "
-                        "weights need the checkpoint's projections in fp8 (load with "
-                        "fp8_weights='dequantize', --fp8-weights dequantize)"
-                    )
+                header = f.get_slice(name)
+                headers[name] = (header.get_dtype(), tuple(header.get_shape()))
+    for name, (_, var, slot) in params.items():
+        fp8 = _check_header(*headers[name], name, slot, quantization)
+        scale = scale_name(name)
+        if fp8 and scale not in files:
+            raise WeightsError(f"fp8 tensor {name} has no {scale} in {model_dir}")
+        if scale in scales:
+            _check_scale_header(*headers[scale], scale, name, headers[name], quantization)
+        if var.dtype == FP8 and not fp8:
+            raise WeightsError(
+                f"tensor {name} is {headers[name][0]}, not fp8: kept FP8 weights need the "
+                "checkpoint's projections in fp8 (load with fp8_weights='dequantize', "
+                "--fp8-weights dequantize)"
+            )
+    shards = _by_file(params, files)
     # Host buffers in the model's dtype (kept FP8 weights and their scales: in theirs),
     # filled one tensor at a time as the shards stream by.
     buffers = {
@@ -271,14 +288,13 @@ def load_model(
                 path, var, slot = params[name]
                 if _kept(path, var):  # an FP8 weight or its scales, as stored
                     array = read_safetensors(file, name)
-                elif f.get_slice(name).get_dtype() == "F8_E4M3":
+                    if str(path[-1]).endswith(SCALE_SUFFIX):
+                        _check_scale_values(array, name)
+                elif headers[name][0] == "F8_E4M3":
                     # Dequantized tensor by tensor: host memory holds one in float32 at a time.
                     scale = read_safetensors(files[scale_name(name)], scale_name(name))
-                    array = read_safetensors(file, name)
-                    try:
-                        array = dequantize(array, scale, quantization)
-                    except ValueError as e:
-                        raise WeightsError(f"tensor {name}: {e}") from None
+                    _check_scale_values(scale, scale_name(name))
+                    array = dequantize(read_safetensors(file, name), scale, quantization)
                 else:
                     array = f.get_tensor(name)
                 buffers[path][slot.index] = array.transpose(slot.axes)
@@ -298,22 +314,65 @@ def _kept(path: tuple, var) -> bool:
     return var.dtype == FP8 or str(path[-1]).endswith(SCALE_SUFFIX)
 
 
-def _check_header(header, name: str, slot: TensorSlot, quantization) -> bool:
+def _check_header(
+    dtype: str, shape: tuple[int, ...], name: str, slot: TensorSlot, quantization
+) -> bool:
     """Dtype and shape of tensor ``name`` as its file's header records them (HF layout);
     True for an fp8 matrix (allowed when the config says the checkpoint is fp8)."""
-    fp8 = header.get_dtype() == "F8_E4M3" and quantization is not None
+    fp8 = dtype == "F8_E4M3" and quantization is not None
     if fp8 and len(slot.hf_shape) != 2:
         raise WeightsError(f"tensor {name} is fp8 but not a matrix {list(slot.hf_shape)}")
-    if not fp8 and header.get_dtype() not in _FLOAT_DTYPES:
+    if not fp8 and dtype not in _FLOAT_DTYPES:
         raise WeightsError(
-            f"tensor {name} has dtype {header.get_dtype()}; weights must be floating point "
+            f"tensor {name} has dtype {dtype}; weights must be floating point "
             f"({', '.join(_FLOAT_DTYPES)})"
         )
-    shape = tuple(header.get_shape())
     want = slot.hf_shape
     if shape != want:
         raise WeightsError(f"tensor {name} has shape {shape}, the config needs {want}")
     return fp8
+
+
+def _check_scale_header(
+    dtype: str,
+    shape: tuple[int, ...],
+    name: str,
+    weight_name: str,
+    weight_header: tuple[str, tuple[int, ...]],
+    quantization: FP8BlockQuantization,
+) -> None:
+    """The block scales ``name`` of ``weight_name`` as the headers record them: the weight
+    is fp8 (a scale beside a float weight would be ignored), the scales a float dtype and
+    one per block of the weight."""
+    weight_dtype, weight_shape = weight_header
+    if weight_dtype != "F8_E4M3":
+        raise WeightsError(
+            f"tensor {name} scales {weight_name}, which is {weight_dtype}: only "
+            "float8_e4m3fn (F8_E4M3) weights have block scales"
+        )
+    if dtype not in _SCALE_DTYPES:
+        raise WeightsError(
+            f"tensor {name} has dtype {dtype}; block scales must be floating point "
+            f"({', '.join(_SCALE_DTYPES)})"
+        )
+    want = quantization.scale_shape(weight_shape)
+    if shape != want:
+        raise WeightsError(
+            f"tensor {name} has shape {shape}; {weight_name} {list(weight_shape)} in blocks "
+            f"{list(quantization.weight_block_size)} needs {want}"
+        )
+
+
+def _check_scale_values(scale: np.ndarray, name: str) -> None:
+    """Block scales are finite and positive (a NaN one turns its block, and every logit it
+    reaches, to NaN)."""
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        where = np.unravel_index(np.argmax(bad), scale.shape)
+        raise WeightsError(
+            f"tensor {name} holds {float(scale[where])} at block {[int(i) for i in where]}; "
+            "block scales must be finite and > 0"
+        )
 
 
 def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:

@@ -35,11 +35,24 @@ def default_program_dir() -> str:
     return os.path.join(cache_root(), "xla")
 
 
+def check_folder(path: str) -> None:
+    """Raises ``NotADirectoryError`` naming the file when ``path`` is a file or lies below
+    one (``os.makedirs`` would say FileExistsError, or NotADirectoryError without the
+    file's name)."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(f"{existing} is a file, not a folder")
+
+
 def enable_cache(path: str | None = None) -> str:
     """Stores every compiled program under ``path`` (default: ``default_program_dir()``),
     however quick its compilation was, and loads it from there in later processes. Returns
-    the folder. JAX's setting is process-wide."""
+    the folder. JAX's setting is process-wide. Raises ``OSError`` when the folder cannot be
+    made (``check_folder``'s error when it is a file or lies below one)."""
     path = path or default_program_dir()
+    check_folder(path)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

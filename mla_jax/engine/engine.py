@@ -35,7 +35,7 @@ from mla_jax.cache.block_manager import BlockManager
 from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
 from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
-from mla_jax.engine.request import Request
+from mla_jax.engine.request import Request, RequestError
 from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput, window_tokens
 from mla_jax.engine.scheduler import Scheduled, Scheduler
 from mla_jax.model.config import ModelConfig
@@ -43,11 +43,6 @@ from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.parallel import sharding
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestError", "Stats", "StepRecord"]
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run: empty prompt, token ids outside the vocabulary, too
-    long for the model, bad sampling settings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +324,28 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
+    def _check_all(self, requests: list[Request]) -> None:
+        """Refuses, before anything runs, what is not a Request, a Request given twice (it
+        would share its blocks with itself), one already finished and any ``_check`` refuses."""
+        seen: dict[Request, int] = {}
+        for i, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise RequestError(f"requests[{i}] is a {type(req).__name__}, not a Request")
+            if req in seen:
+                raise RequestError(
+                    f"requests[{i}] is requests[{seen[req]}]: the same Request object twice "
+                    "in one call"
+                )
+            seen[req] = i
+            if req.finished:
+                raise RequestError(
+                    f"requests[{i}] already finished ({len(req.output_ids)} tokens generated); "
+                    "give a new Request"
+                )
+            self._check(req)
+
     def _check(self, req: Request) -> None:
+        req.check()  # its fields may have changed since it was made
         vocab, max_len = self.model_cfg.vocab_size, self.max_model_len
         if not req.prompt_ids:
             raise RequestError("a prompt needs at least one token")
@@ -338,10 +354,6 @@ class Engine:
             raise RequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
-        if req.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if req.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {req.temperature}")
         total = len(req.prompt_ids) + req.max_new_tokens
         where = f"prompt ({len(req.prompt_ids)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
         if total > self.model_cfg.max_position_embeddings:
@@ -496,9 +508,21 @@ class Engine:
                 scheduler.release(entry.request)
 
     def generate(self, requests: list[Request], *, progress_every_s: float = 2.0) -> list[Request]:
-        """Runs every request to completion; returns them in the given order."""
-        for req in requests:
-            self._check(req)
+        """Runs every request to completion; returns them in the given order. Bad requests
+        are refused (``RequestError``) before any runs; an error while they run (a failed
+        step, an interrupt) takes them all out of the engine, their blocks freed and their
+        progress reset, before it propagates, so that the engine serves the next call."""
+        self._check_all(requests)
+        try:
+            return self._run(requests, progress_every_s)
+        except BaseException:
+            self._withdraw(requests)
+            raise
+        finally:
+            self._last_launch = None
+
+    def _run(self, requests: list[Request], progress_every_s: float) -> list[Request]:
+        """Queues ``requests`` and runs steps until every rank's queues are empty."""
         schedulers = self.schedulers
         for req in requests:
             schedulers[self._rank_for(req)].add(req)
@@ -534,7 +558,6 @@ class Engine:
                 t_log = now
                 running = sum(len(s.running) for s in schedulers)
                 self.log(self._progress(running, sum(len(s.waiting) for s in schedulers)))
-        self._last_launch = None
         return requests
 
     def _next_steps(
@@ -554,6 +577,16 @@ class Engine:
     @staticmethod
     def _schedule(scheduler: Scheduler, steps: int) -> list[Scheduled]:
         return scheduler.schedule_window(steps) if steps > 1 else scheduler.schedule()
+
+    def _withdraw(self, requests: list[Request]) -> None:
+        """Takes ``requests`` out of every rank's queues with their blocks and resets their
+        progress; their tokens in flight are dropped (the steps that hold them write only
+        to blocks now free, and later steps run after them on the device)."""
+        withdrawn = set(requests)
+        for scheduler in self.schedulers:
+            scheduler.withdraw(withdrawn)
+        for req in requests:
+            req.num_computed = req.num_pending = 0
 
     def _rank_for(self, req: Request) -> int:
         """The DP rank ``req`` joins: of the ranks with room (fewer than ``max_num_seqs``

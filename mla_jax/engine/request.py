@@ -9,8 +9,54 @@ to the next step itself).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
+import jax
 import numpy as np
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run: a field of the wrong type or value, a prompt that is
+    empty, outside the vocabulary or too long for the model, a request given twice or
+    already finished."""
+
+
+def _described(value) -> str:
+    """``value`` and its type's name, as an error shows a value of the wrong type (a string
+    quoted, a NumPy scalar as its number)."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return f"{text} ({type(value).__name__})"
+
+
+def _is_integer(value) -> bool:
+    """A Python int or a NumPy integer scalar (not a bool: True is no token id)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def checked_prompt(prompt_ids) -> list[int]:
+    """``prompt_ids`` as a list of Python ints: a list or tuple of ints (or NumPy integer
+    scalars), or a 1-D integer NumPy or JAX array. Raises ``RequestError`` naming the item or
+    the array's dtype or rank otherwise (a float id would otherwise be truncated silently)."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        if prompt_ids.ndim != 1:
+            raise RequestError(f"prompt_ids is a {prompt_ids.ndim}-D array; want a 1-D one")
+        if not np.issubdtype(prompt_ids.dtype, np.integer):
+            raise RequestError(
+                f"prompt_ids is a {np.dtype(prompt_ids.dtype).name} array; want integer token ids"
+            )
+        return np.asarray(prompt_ids).tolist()
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise RequestError(
+            f"prompt_ids is a {type(prompt_ids).__name__}; want a list of integer token ids "
+            "or a 1-D integer array"
+        )
+    if all(type(t) is int for t in prompt_ids):  # the common case, without a copy's cost
+        return prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
+    for i, t in enumerate(prompt_ids):
+        if not _is_integer(t):
+            raise RequestError(f"prompt_ids[{i}] is {_described(t)}; token ids are integers")
+    return [int(t) for t in prompt_ids]
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields hold
@@ -35,6 +81,29 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks the prefix cache knows by content
     finished: bool = False
     token_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter, per output
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Refuses (``RequestError``, naming the field) what the fields cannot mean: token
+        ids that are not integers, a ``max_new_tokens`` that is not an integer >= 1, a
+        temperature that is not a finite number >= 0; stores them as Python ints and float
+        (a 1-D integer array becomes a list). The engine checks again what it is given, as
+        fields may have changed since."""
+        self.prompt_ids = checked_prompt(self.prompt_ids)
+        n = self.max_new_tokens
+        if not _is_integer(n):
+            raise RequestError(f"max_new_tokens is {_described(n)}; want an integer >= 1")
+        if n < 1:
+            raise RequestError(f"max_new_tokens is {n}; want an integer >= 1")
+        self.max_new_tokens = int(n)
+        t = self.temperature
+        if not isinstance(t, numbers.Real) or isinstance(t, (bool, np.bool_)):
+            raise RequestError(f"temperature is {_described(t)}; want a finite number >= 0")
+        if not (math.isfinite(t) and t >= 0):
+            raise RequestError(f"temperature is {float(t)}; want a finite number >= 0")
+        self.temperature = float(t)
 
     @property
     def num_tokens(self) -> int:

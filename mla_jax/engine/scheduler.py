@@ -94,6 +94,22 @@ class Scheduler:
             self.waiting.remove(req)
         self.release(req)
 
+    def withdraw(self, requests: set[Request]) -> None:
+        """Takes ``requests`` out of the queues, where they are, and frees their blocks
+        (requests it does not hold are left alone): a failed call's cleanup. A block is
+        cached when its step is scheduled, before the step runs, so the content of the
+        blocks they alone hold is forgotten (the failed step may have been theirs), and
+        none is cached anew."""
+        held = [req for req in (*self.running, *self.waiting) if req in requests]
+        self.running = [req for req in self.running if req not in requests]
+        self.waiting = deque(req for req in self.waiting if req not in requests)
+        for req in held:
+            blocks = req.block_ids.tolist()
+            self.block_manager.forget(blocks)
+            self.block_manager.release(blocks)
+            req.block_ids = np.zeros(0, np.int32)
+            req.num_cached_blocks = 0
+
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
         when too few are free."""

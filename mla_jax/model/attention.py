@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import kernels
-from mla_jax.cache.latent_cache import write_cache
+from mla_jax.cache.latent_cache import as_stored, write_cache
 from mla_jax.cache.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from mla_jax.cache.packing import PackedMetadata
 from mla_jax.kernels.fp8 import Fp8Cache
@@ -136,6 +136,7 @@ class MLAAttention(nnx.Module):
         q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope.interleaved)
         cache = write_cache(cache, kv_c, k_pe, metadata.slot_mapping, layer=layer)
+        kv_c, k_pe = as_stored(cache, kv_c, k_pe)  # what every later read of them sees
         layers = LayerView(cache, layer)
 
         num_decodes = metadata.num_decode_tokens

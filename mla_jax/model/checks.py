@@ -6,6 +6,8 @@ that needs values (enough packed rows) runs only when the metadata is concrete.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -43,6 +45,25 @@ def check_packed(x: jax.Array, metadata: PackedMetadata) -> None:
         raise ValueError(f"x has {rows} packed rows; the metadata's step has {real} tokens")
 
 
+def check_layer(layer: int | jax.Array, num_layers: int) -> None:
+    """A concrete ``layer`` indexes one of the stacked cache's ``num_layers`` (past them,
+    the write would be dropped and the decode would read zeros); a traced one, as in a scan
+    over the layers, is the caller's to keep in range."""
+    if isinstance(layer, jax.core.Tracer):
+        return
+    try:
+        index = operator.index(layer)
+    except TypeError:
+        raise ValueError(
+            f"layer must be an integer (or a traced integer index), got {layer} "
+            f"({type(layer).__name__})"
+        ) from None
+    if not 0 <= index < num_layers:
+        raise ValueError(
+            f"layer {index} is outside the stacked cache's {num_layers} layers [0, {num_layers})"
+        )
+
+
 def check_step(
     cfg: MLAConfig,
     x: jax.Array,
@@ -67,6 +88,8 @@ def check_step(
         if layer is not None:
             layout = "[num_layers, num_blocks, block_size, width] (a stacked cache, with layer)"
         raise ValueError(f"cache must be {layout}, got shape {tuple(cache.shape)}")
+    if layer is not None:
+        check_layer(layer, cache.shape[0])
     if cache.shape[-1] != cfg.cache_width:
         raise ValueError(
             f"cache rows are {cache.shape[-1]} wide; this module's are kv_lora_rank + "

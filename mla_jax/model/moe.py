@@ -25,8 +25,9 @@ E = n_routed_experts, H = hidden_size, I = moe_intermediate_size, S = I x n_shar
 The per-expert names are what DeepSeek publishes and what transformers 5.23's
 ``save_pretrained`` writes (its conversion mapping splits the fused tensors back on saving).
 In memory transformers fuses them as ``experts.gate_up_proj [E, 2I, H]`` (gate rows first)
-and ``experts.down_proj [E, H, I]``; a checkpoint holding those is read too (transposed on
-the last two axes). ``hf_expert_slice`` says where each HF expert tensor goes and
+and ``experts.down_proj [E, H, I]``; a checkpoint holding those (written from its state
+dict, say) is read too, transposed on the last two axes, each of the two where the layer has
+it. ``hf_expert_slice`` says where each HF expert tensor goes and
 ``hf_expert_names`` lists the ones a layer needs.
 """
 
@@ -311,9 +312,13 @@ def hf_expert_slice(name: str, cfg: MoEConfig) -> ExpertSlice | None:
     return None
 
 
-def hf_expert_names(prefix: str, cfg: MoEConfig) -> list[str]:
-    """The per-expert HF tensor names of one layer, ``prefix`` being its MLP
-    (``model.layers.3.mlp``), in the order DeepSeek's checkpoints list them."""
+def hf_expert_names(prefix: str, cfg: MoEConfig, *, fused: bool = False) -> list[str]:
+    """The HF routed-expert tensor names of one layer, ``prefix`` being its MLP
+    (``model.layers.3.mlp``): per expert, in the order DeepSeek's checkpoints list them, or
+    with ``fused`` transformers' two stacked ones (``experts.gate_up_proj``,
+    ``experts.down_proj``)."""
+    if fused:
+        return [f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
     return [
         f"{prefix}.experts.{e}.{proj}_proj.weight"
         for e in range(cfg.n_routed_experts)

@@ -172,3 +172,26 @@ def test_random_sequences_only_ever_match_their_own_content(rng):
         refs = np.bincount([b for blocks in held for b in blocks], minlength=12)
         assert manager.num_free == int((refs == 0).sum())
     assert matched_blocks > 50 and manager.evictions > 50
+
+
+def test_forget_drops_the_content_only_its_holder_has():
+    """A failed step's blocks: the content of the blocks one sequence alone holds is
+    forgotten (not matched, freed when released); a block another sequence shares keeps
+    its content, and the chain after a forgotten block is no longer matched."""
+    manager, fake = BlockManager(8, SIZE), {}
+    tokens = list(range(30, 43))  # 3 full blocks and 1 token
+    first = _sequence(manager, tokens, fake)
+    second = _sequence(manager, tokens, fake)  # shares the first 3 blocks
+    assert second[:3] == first[:3]
+    manager.release(second)
+    manager.forget(first)  # the first block is not shared any more: forgotten too
+    assert manager.match(tokens) == [] and manager.num_cached == 0
+    manager.release(first)
+    assert manager.num_free == 8
+    third = _sequence(manager, tokens, fake)
+    fourth = _sequence(manager, tokens, fake)
+    manager.forget(third)  # all shared with fourth: kept
+    assert manager.match(tokens) == third[:3] == fourth[:3]
+    manager.release(fourth)
+    manager.forget(third[2:])  # the third block alone: the chain stops before it
+    assert manager.match(tokens) == third[:2]

@@ -8,6 +8,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from mla_jax.checkpoint import loader
+from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization, scale_name
 from mla_jax.checkpoint.hf_config import config_from_dict, config_to_dict
 from mla_jax.checkpoint.loader import WeightsError, load_model, save_checkpoint
 from mla_jax.model.config import MLAConfig, ModelConfig
@@ -203,3 +205,111 @@ def test_missing_or_misshaped_expert_is_named(tmp_path):
         WeightsError, match=rf"{name} has shape \(8, 15\), the config needs \(8, 16\)"
     ):
         load_model(tmp_path)
+
+
+# -- FP8 checkpoints -----------------------------------------------------------------------
+
+BLOCKS = FP8BlockQuantization((4, 3))  # partial blocks at the right edge of every matrix
+
+
+@pytest.fixture
+def fp8_ckpt(ckpt):
+    """``ckpt`` with its projections in float8_e4m3fn and block scales; and each quantized
+    weight dequantized."""
+    from fp8_checkpoint import quantize_checkpoint
+
+    return ckpt, quantize_checkpoint(ckpt, BLOCKS)
+
+
+def _rewrite_fp8(path, edit):
+    """``_rewrite`` through torch, which reads and writes float8_e4m3fn tensors."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    tensors = load_torch(path / "model.safetensors")
+    edit(tensors)
+    save_torch(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture
+def headers_only(monkeypatch):
+    """Fails a load that reads an fp8 tensor's data: what the headers show is refused first."""
+
+    def read(path, name):
+        raise AssertionError(f"read the data of {name} before checking every header")
+
+    monkeypatch.setattr(loader, "read_safetensors", read)
+
+
+def test_fp8_checkpoint_loads_dequantized(fp8_ckpt, tmp_path_factory):
+    ckpt, dequantized = fp8_ckpt
+    _, model = load_model(ckpt)
+    again = tmp_path_factory.mktemp("again")
+    save_checkpoint(model, again)
+    tensors = load_file(again / "model.safetensors")
+    assert len(dequantized) == 2 * 8  # q_a, q_b, kv_a, kv_b, o, gate, up, down in 2 layers
+    for name, want in dequantized.items():
+        np.testing.assert_array_equal(tensors[name], want, err_msg=name)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, 0.0, -0.5])
+def test_a_scale_that_is_not_finite_and_positive_is_refused(fp8_ckpt, value):
+    """A NaN scale made the model emit token 0 forever; a zero or negative one is no scale
+    a quantizer writes."""
+    ckpt, _ = fp8_ckpt
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+
+    def edit(tensors):
+        tensors[scale_name(name)][2, 1] = float(value)
+
+    _rewrite_fp8(ckpt, edit)
+    with pytest.raises(WeightsError) as error:
+        load_model(ckpt)
+    assert str(error.value) == (
+        f"tensor {scale_name(name)} holds {float(value)} at block [2, 1]; block scales must be "
+        "finite and > 0"
+    )
+
+
+def test_a_scale_beside_a_weight_that_is_not_fp8_is_refused(fp8_ckpt, headers_only):
+    """A float weight with a scale beside it is an inconsistent checkpoint: the scale would
+    be ignored."""
+    import torch
+
+    ckpt, dequantized = fp8_ckpt
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite_fp8(ckpt, lambda t: t.update({name: torch.from_numpy(dequantized[name])}))
+    with pytest.raises(WeightsError) as error:
+        load_model(ckpt)
+    assert str(error.value) == (
+        f"tensor {scale_name(name)} scales {name}, which is F32: only float8_e4m3fn (F8_E4M3) "
+        "weights have block scales"
+    )
+
+
+@pytest.mark.parametrize("dtype,code", [("int32", "I32"), ("uint8", "U8"), ("int64", "I64")])
+def test_an_integer_scale_is_refused_from_the_header(fp8_ckpt, headers_only, dtype, code):
+    import torch
+
+    ckpt, _ = fp8_ckpt
+    name = scale_name("model.layers.1.mlp.gate_proj.weight")
+    _rewrite_fp8(ckpt, lambda t: t.update({name: t[name].to(getattr(torch, dtype))}))
+    with pytest.raises(WeightsError) as error:
+        load_model(ckpt)
+    assert str(error.value) == (
+        f"tensor {name} has dtype {code}; block scales must be floating point (F32, BF16, F16)"
+    )
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (3, 3), (12,), (4, 3, 1)])
+def test_a_misshaped_scale_is_refused_from_the_header(fp8_ckpt, headers_only, shape):
+    import torch
+
+    ckpt, _ = fp8_ckpt
+    name = "model.layers.0.self_attn.o_proj.weight"  # [16, 8]: blocks of 4 x 3 -> [4, 3]
+    _rewrite_fp8(ckpt, lambda t: t.update({scale_name(name): torch.ones(shape)}))
+    with pytest.raises(WeightsError) as error:
+        load_model(ckpt)
+    assert str(error.value) == (
+        f"tensor {scale_name(name)} has shape {shape}; {name} [16, 8] in blocks [4, 3] needs (4, 3)"
+    )

@@ -10,6 +10,7 @@ The small config has 4 heads, rope 8, v 12: the Pallas kernels run on padded til
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_ref as ref
@@ -17,6 +18,8 @@ import pytest
 from conftest import Step, mla_dims, mla_weights_np, randomize, rel_err, small_mla
 from flax import nnx
 
+from mla_jax.cache.latent_cache import init_cache
+from mla_jax.cache.packing import packed_metadata
 from mla_jax.model.attention import MLAAttention
 
 TOL = 2e-5
@@ -230,3 +233,61 @@ def test_bfloat16_many_context_chunks_cost_no_accuracy(rng):
         outs, _ = step(attn, cache, [(n_context, x[n_context:])], table)
         errors.append(rel_err(outs[0], want))
     assert errors[1] < 1.25 * errors[0]
+
+
+@pytest.mark.parametrize(
+    "layer,message",
+    [
+        (2, "layer 2 is outside the stacked cache's 2 layers [0, 2)"),
+        (-1, "layer -1 is outside the stacked cache's 2 layers [0, 2)"),
+        (np.int32(5), "layer 5 is outside the stacked cache's 2 layers [0, 2)"),
+        (jnp.int32(2), "layer 2 is outside the stacked cache's 2 layers [0, 2)"),
+        (1.0, "layer must be an integer (or a traced integer index), got 1.0 (float)"),
+    ],
+)
+def test_a_layer_outside_the_cache_is_refused(rng, layer, message):
+    """An index past the stacked cache's layers would drop the write and decode zeros; a
+    concrete one is refused by name (a traced one, as in a scan, is the caller's)."""
+    cfg = small_mla()
+    attn, _, _ = _module(cfg, rng)
+    cache = jnp.zeros((2, 4, 4, cfg.cache_width), jnp.float32)
+    metadata = packed_metadata([0], [3], [[1]], num_heads=4, block_size=4, num_blocks=4)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+    with pytest.raises(ValueError) as error:
+        attn(x, cache, metadata, layer=layer, impl="reference")
+    assert str(error.value) == message
+
+
+def test_the_last_layer_of_a_stacked_cache_is_its_own(rng):
+    """In range, each layer index writes and reads that layer only: the last layer's step
+    equals the same step on a one-layer cache."""
+    cfg = small_mla()
+    attn, _, _ = _module(cfg, rng)
+    metadata = packed_metadata([0], [3], [[1]], num_heads=4, block_size=4, num_blocks=4)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+    stacked = jnp.zeros((2, 4, 4, cfg.cache_width), jnp.float32)
+    out, stacked = attn(x, stacked, metadata, layer=jnp.int32(1), impl="reference")
+    alone, single = attn(x, stacked[0], metadata, impl="reference")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(stacked[1]), np.asarray(single))
+    assert not np.asarray(stacked[0]).any()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", jnp.bfloat16])
+def test_a_prompt_in_chunks_over_a_rounding_cache_equals_it_whole(rng, dtype):
+    """A cache that rounds (FP8, bf16 under this float32 module): a prompt's later tokens
+    read its earlier ones as stored whether they share a prefill (its own new tokens) or
+    come after them (from the cache), so chunking, as after a preemption's recompute,
+    changes nothing beyond float32 rounding."""
+    cfg = small_mla()
+    attn, _, _ = _module(cfg, rng)
+    step = Step(block_size=4, num_blocks=8)
+    stacked = init_cache(1, 8, 4, cfg.cache_width, dtype, kv_lora_rank=cfg.kv_lora_rank)
+    cache = jax.tree.map(lambda part: part[0], stacked)
+    x = rng.standard_normal((11, cfg.hidden_size)).astype(np.float32)
+    table = [[5, 2, 7]]
+    [whole], _ = step(attn, cache, [(0, x)], table)
+    [first], cache = step(attn, cache, [(0, x[:6])], table)
+    [rest], _ = step(attn, cache, [(6, x[6:])], table)
+    assert rel_err(first, whole[:6]) < TOL
+    assert rel_err(rest, whole[6:]) < TOL

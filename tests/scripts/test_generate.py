@@ -168,3 +168,83 @@ def test_plan_only_in_a_smoke_run(tmp_path):
     rows = json.loads(output.read_text())["plan"]
     assert rows[0]["layout"] == "tp8" and rows[0]["weight_bytes_per_device"] > 0
     assert not (tmp_path / "cache").exists()  # the tiny model's config: no checkpoint written
+
+
+def _cli_error(monkeypatch, argv: list[str]) -> str:
+    """What ``cli`` exits with for ``argv``: the one line it prints (a SystemExit message)."""
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        generate.cli()
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    return message
+
+
+def test_cli_names_an_integer_block_scale_in_one_line(monkeypatch, tmp_path):
+    """An FP8 checkpoint whose weight_scale_inv is an integer tensor: refused from the
+    headers, in one line naming the tensor (it was a traceback from reading its data)."""
+    import torch
+    from fp8_checkpoint import quantize_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
+
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    quantize_checkpoint(model_dir, FP8BlockQuantization((128, 128)))
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    argv = ["--model", model_dir, *REQUEST, "--no-compilation-cache"]
+    assert _cli_error(monkeypatch, argv) == (
+        f"error: tensor {name} has dtype I32; block scales must be floating point (F32, BF16, F16)"
+    )
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["a_file", "below_a_file"])
+def test_a_compilation_cache_that_cannot_be_a_folder_is_named(capsys, tmp_path, below):
+    """A --compilation-cache that is a file, or lies below one, is refused before the model
+    is looked at (it was a FileExistsError or NotADirectoryError traceback)."""
+    file = tmp_path / "programs"
+    file.write_text("")
+    path = file / "xla" if below else file
+    line = _usage_error(capsys, ARGV + ["--compilation-cache", str(path)])
+    assert line.endswith(f"error: --compilation-cache {path}: {file} is a file, not a folder")
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails a run that loads the weights: what it refuses, it refuses before."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(generate, "load_model", load_model)
+
+
+def test_max_model_len_above_the_model_is_refused_before_loading(capsys, tmp_path, no_weights):
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    flags = ["--model", model_dir, *REQUEST, "--no-compilation-cache", "--max-model-len", "1025"]
+    line = _usage_error(capsys, flags)
+    assert line.endswith(
+        "error: --max-model-len 1025 exceeds the model's max_position_embeddings (1024)"
+    )
+    line = _usage_error(capsys, [*flags, "--list-buckets"])
+    assert line.endswith(
+        "error: --max-model-len 1025 exceeds the model's max_position_embeddings (1024)"
+    )
+
+
+def test_a_corrupt_tokenizer_is_named(capsys, tmp_path, no_weights):
+    pytest.importorskip("tokenizers")
+    model_dir = tiny_checkpoint(str(tmp_path / "tiny"))
+    path = os.path.join(model_dir, "tokenizer.json")
+    with open(path, "w") as f:
+        f.write('{"version": "1.0", "model": ')
+    flags = ["--model", model_dir, "--prompt", "w3 w14", "--max-new-tokens", "2"]
+    line = _usage_error(capsys, [*flags, "--no-compilation-cache"])
+    assert line.endswith(
+        f"error: --prompt: {path} is not a tokenizer file the tokenizers package reads: EOF "
+        "while parsing a value at line 1 column 28"
+    )
