@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-FP8 = jnp.float8_e4m3fn
+from .fp8 import FP8
 
 
 @dataclasses.dataclass(frozen=True)

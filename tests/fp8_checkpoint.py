@@ -10,12 +10,11 @@ import re
 import numpy as np
 
 from mla_jax.checkpoint.fp8_weights import (
-    FP8,
-    FP8_MAX,
     FP8BlockQuantization,
     dequantize,
     scale_name,
 )
+from mla_jax.kernels.fp8 import E4M3_MAX, FP8
 
 
 def quantize(
@@ -32,7 +31,7 @@ def quantize(
     padded[:out, :inp] = weight
     blocks = padded.reshape(rows, bo, cols, bi)
     amax = np.abs(blocks).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     quantized = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp]
     return quantized.astype(FP8), scale
 

@@ -25,10 +25,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from mla_jax.kernels.fp8 import FP8
 from mla_jax.model.config import ConfigError
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 SCALE_SUFFIX = "_scale_inv"
 SUPPORTED_METHODS = ("fp8",)
 
@@ -124,7 +123,7 @@ def dequantize(
 
 # safetensors dtype names -> NumPy dtypes, those the loader may meet in a DeepSeek checkpoint.
 _DTYPES = {
-    "F8_E4M3": FP8,
+    "F8_E4M3": np.dtype(FP8),
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
     "F32": np.dtype(np.float32),

@@ -20,13 +20,13 @@ import pytest
 from fp8_checkpoint import quantize
 
 from mla_jax.checkpoint.fp8_weights import (
-    FP8,
     FP8BlockQuantization,
     dequantize,
     parse_quantization_config,
     read_safetensors,
     scale_name,
 )
+from mla_jax.kernels.fp8 import FP8
 from mla_jax.model.config import ConfigError
 
 # (out, in, block): whole blocks, partial edge blocks (DeepSeek's 128 x 128 on odd widths),
