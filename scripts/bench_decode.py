@@ -1,6 +1,7 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8|mgpu]]
+        [--kernel triton|mgpu]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
@@ -9,6 +10,10 @@ reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels
 a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
 ``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
 the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
+``--kernel mgpu`` times the Mosaic GPU kernel (``kernels/decode/pallas_mosaic_gpu.py``)
+beside the Triton one on the same inputs in the same run, N = 16 and 128 over the cases
+below (``decode_mgpu.json``); ``--sweep mgpu`` its compile options on the cases of its
+targets (``decode_mgpu_sweep.json``, under --out only).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
 
 from mla_jax.kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 
 LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5
@@ -91,19 +97,132 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
     }
     if with_reference:
         ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
-        out, lse = kernel(*arg_sets[0])
-        want, want_lse = ref(*arg_sets[0][:5])
-        err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(
-            want.astype(jnp.float32)
-        )
-        result["rel_err"] = float(err)
-        result["lse_err"] = float(
-            jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
-        )
+        want = ref(*arg_sets[0][:5])
+        result.update(_errors(kernel(*arg_sets[0]), want, seq_lens))
         if not quantized:
             result["xla_timing"] = time_us(ref, [arg_sets[0][:5]], reps=10)
             result["xla_us"] = result["xla_timing"].us
     return result
+
+
+def _errors(got, want, seq_lens) -> dict:
+    """Relative L2 error of ``out`` and the largest absolute ``lse`` error (non-empty rows)
+    of a kernel's ``got`` against the reference's ``want``."""
+    (out, lse), (want_out, want_lse) = got, want
+    err = jnp.linalg.norm((out - want_out).astype(jnp.float32)) / jnp.linalg.norm(
+        want_out.astype(jnp.float32)
+    )
+    lse_err = jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
+    return {"rel_err": float(err), "lse_err": float(lse_err)}
+
+
+def _mosaic_case(rng, label, seq_lens, n, variant=None, with_triton=True) -> dict:
+    """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults) and, on
+    the same inputs, the Triton kernel with its default config; errors of both against the
+    reference."""
+    seq_lens = np.asarray(seq_lens)
+    tokens = int(seq_lens.sum())
+    sets = int(min(8, max(1, -(-256 * 2**20 // (tokens * (LKV + R) * 2)))))
+    arg_sets = _inputs(rng, seq_lens, n, sets)
+    num_sms = KernelPlan.for_device(n).num_sms
+    programs = mosaic.num_programs(n, num_sms)
+    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=PAGE))
+    config = mosaic.MosaicDecodeConfig(**(variant or {}))
+    kernel = jax.jit(
+        lambda *a: mosaic.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
+    )
+    want = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))(*arg_sets[0])
+    timing = time_us(kernel, [(*a, schedule) for a in arg_sets])
+    b = len(seq_lens)
+    nbytes = tokens * (LKV + R) * 2 + b * n * (LKV + R) * 2 + b * n * LKV * 2
+    result = {
+        "case": label,
+        "N": n,
+        "us": timing.us,
+        "GB/s": nbytes / timing.us / 1e3,
+        "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / timing.us / 1e6,
+        "programs": programs,
+        "items": int(schedule.req_items[-1]),
+        "timing": timing,
+        **_errors(kernel(*arg_sets[0], schedule), want, seq_lens),
+    }
+    if with_triton:
+        t_config = decode.default_config(n, b)
+        t_programs = decode.num_programs(t_config, n, num_sms)
+        t_schedule = jax.device_put(
+            decode.plan(seq_lens, num_programs=t_programs, block_k=t_config.block_k)
+        )
+        triton = jax.jit(
+            lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=t_config)
+        )
+        result["triton_timing"] = time_us(triton, [(*a, t_schedule) for a in arg_sets])
+        result["triton_us"] = result["triton_timing"].us
+        result["triton_rel_err"] = _errors(triton(*arg_sets[0], t_schedule), want, seq_lens)[
+            "rel_err"
+        ]
+    return result
+
+
+def _mosaic_table(rng, copy, out_dir) -> None:
+    """``decode_mgpu.json``: the Mosaic GPU kernel beside Triton, N = 16 and 128."""
+    rows = []
+    for n in (16, 128):
+        for label, lens in CASES:
+            r = _mosaic_case(rng, label, lens, n)
+            print(json.dumps(jsonable(r)), flush=True)
+            cells = [
+                r["case"],
+                n,
+                round(r["triton_us"], 1),
+                round(r["us"], 1),
+                f"{r['triton_us'] / r['us']:.2f}x",
+                round(r["TFLOP/s"], 1),
+                round(r["GB/s"]),
+                f"{100 * r['GB/s'] / copy.gbs:.0f}%",
+                f"{r['rel_err']:.1e}",
+                f"{r['triton_rel_err']:.1e}",
+            ]
+            rows.append(row(cells, mosaic=r["timing"], triton=r["triton_timing"]))
+    save(
+        "decode_mgpu",
+        "Paged MLA decode: Mosaic GPU kernel beside the Triton kernel, page 64, bf16",
+        [
+            "batch x context",
+            "N",
+            "Triton us",
+            "Mosaic us",
+            "speedup",
+            "Mosaic TFLOP/s",
+            "Mosaic GB/s",
+            "of copy BW",
+            "Mosaic rel err",
+            "Triton rel err",
+        ],
+        rows,
+        [
+            f"Copy bandwidth measured in the same run: {copy.gbs:.0f} GB/s (read + write; "
+            f"{copy.method}).",
+            "Both kernels on the same inputs in the same run, each with its own default "
+            "launch (Mosaic: 64 heads a program, one program a multiprocessor; Triton: "
+            "decode.default_config) and its own split-KV plan; us includes the combine kernel.",
+            "TFLOP/s counts 2 x N x context x (576 + 512) (N = 16 is padded to 64 rows in the "
+            "Mosaic kernel: 4x the counted work); GB/s counts 576 x 2 B per context token plus "
+            "q and out.",
+            "rel err: relative L2 error of out against the XLA reference on the same inputs.",
+        ],
+        extra={"copy_bandwidth": copy.record()},
+        out_dir=out_dir,
+    )
+
+
+# Compile options of the Mosaic GPU kernel, on the cases of the targets.
+MOSAIC_SWEEP_CASES = ((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",)))
+MOSAIC_SWEEP = [
+    {},
+    dict(consumer_registers=232, producer_registers=40),
+    dict(auto_barriers=True),
+    dict(approx_math=False),
+]
 
 
 CASES = [
@@ -181,10 +300,31 @@ def _fp8_trials(rng) -> list:
 
 
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, kernels=("triton", "mgpu"))
     rng = np.random.default_rng(0)
     if args.sweep == "fp8":
         sweep("decode_fp8", _fp8_trials(rng), args.out)
+        return
+    if args.sweep == "mgpu":
+        lens_of = dict(CASES)
+        trials = [
+            (
+                {"case": label, "N": n},
+                v,
+                lambda label=label, n=n, v=v: _mosaic_case(
+                    rng, label, lens_of[label], n, v, with_triton=not v
+                ),
+            )
+            for n, labels in MOSAIC_SWEEP_CASES
+            for label in labels
+            for v in MOSAIC_SWEEP
+        ]
+        sweep("decode_mgpu", trials, args.out)
+        return
+    if args.kernel == "mgpu":
+        copy = copy_bandwidth()
+        print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
+        _mosaic_table(rng, copy, args.out)
         return
     if args.sweep:
         trials = [

@@ -191,15 +191,18 @@ def copy_bandwidth(gib: float = 2.0) -> CopyBandwidth:
         return CopyBandwidth(nbytes / t.us / 1e3, "XLA float32 elementwise pass", t)
 
 
-def parse_args(doc: str):
-    """The bench scripts' command line: ``--out DIR`` (also write the JSON there) and
+def parse_args(doc: str, kernels: tuple[str, ...] = ()):
+    """The bench scripts' command line: ``--out DIR`` (also write the JSON there),
     ``--sweep [NAME]`` (time kernel variants instead of the table: ``all``, or one set a
-    script names)."""
+    script names) and, for a script with several kernels of one op, ``--kernel`` (one of
+    ``kernels``, the first by default)."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument(
         "--sweep", nargs="?", const="all", help="time kernel variants (a script may name sets)"
     )
+    if kernels:
+        ap.add_argument("--kernel", choices=kernels, default=kernels[0], help="which kernel")
     return ap.parse_args()
 
 

@@ -62,8 +62,8 @@ class MosaicDecodeConfig:
 
     approx_math: bool = True
     auto_barriers: bool = False
-    consumer_registers: int = 232
-    producer_registers: int = 40
+    consumer_registers: int = 240
+    producer_registers: int = 24
 
 
 def padded_heads(num_heads: int) -> int:
@@ -359,15 +359,19 @@ def _kernel(
             plgpu.copy_gmem_to_smem(q_pe_ref.at[req, heads], q_pe_smem, q_ready)
 
             def pair(j, pairs_done):
-                for slot in range(2):
+                # The padding page of an odd count is the last page again (masked). The
+                # block ids are read before waiting for the slots: the table read's latency
+                # then overlaps the consumers' work instead of delaying the copies.
+                blocks = [
+                    block_table_ref[req, jnp.minimum(first_page + 2 * j + slot, last_page)]
+                    for slot in range(2)
+                ]
+                for slot, block in enumerate(blocks):
 
                     @pl.when(pairs_done > 0)
                     def _(slot=slot):
                         plgpu.barrier_wait(kv_free.at[slot])
 
-                    # The padding page of an odd count is the last page again (masked).
-                    page = jnp.minimum(first_page + 2 * j + slot, last_page)
-                    block = block_table_ref[req, page]
                     plgpu.copy_gmem_to_smem(
                         cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
                     )
@@ -423,7 +427,6 @@ def _kernel(
         return pl.run_scoped(scope, plgpu.ACC((BLOCK_H, PAGE), jnp.float32))
 
     def consumer(w):
-        plgpu.set_max_registers(config.consumer_registers, action="increase")
         half = pl.ds(w * half_width, half_width)
 
         def item(i, carry):
@@ -445,9 +448,15 @@ def _kernel(
                         values = tile[...]
                         tile[...] = jnp.where(row < rows_valid, values, jnp.zeros_like(values))
 
-                col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, PAGE), 1, layout=wgmma_layout)
-                tok = tok0 + col
-                s = jnp.where((tok >= start) & (tok < end), s, -jnp.inf)
+                def mask(s):
+                    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, PAGE), 1, layout=wgmma_layout)
+                    tok = tok0 + col
+                    return jnp.where((tok >= start) & (tok < end), s, -jnp.inf)
+
+                # Only an item's first and last pages have keys outside it: the mask's
+                # registers are needed in that branch alone.
+                boundary = (tok0 < start) | (tok0 + PAGE > end)
+                s = lax.cond(boundary, mask, lambda s: s, s)
                 # The first page of an item has a key in every row, so m_new is finite
                 # from then on and no -inf - -inf arises.
                 m_new = jnp.maximum(m_prev, s.max(axis=1) * log2_scale)
@@ -539,8 +548,13 @@ def _kernel(
 
         lax.fori_loop(first_item, last_item, item, 0)
 
-    for w in range(NUM_CONSUMERS):
-        pl.when(wg == w)(functools.partial(consumer, w))
+    # One branch for both consumers, so that ptxas compiles all their code under the raised
+    # register limit (the producer's branch gives the registers up).
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumers():
+        plgpu.set_max_registers(config.consumer_registers, action="increase")
+        for w in range(NUM_CONSUMERS):
+            pl.when(wg == w)(functools.partial(consumer, w))
 
 
 def default_schedule(
