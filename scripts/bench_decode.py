@@ -217,12 +217,7 @@ def _mosaic_table(rng, copy, out_dir) -> None:
 
 # Compile options of the Mosaic GPU kernel, on the cases of the targets.
 MOSAIC_SWEEP_CASES = ((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",)))
-MOSAIC_SWEEP = [
-    {},
-    dict(consumer_registers=232, producer_registers=40),
-    dict(auto_barriers=True),
-    dict(approx_math=False),
-]
+MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
 
 
 CASES = [

@@ -2,20 +2,20 @@
 specialization, split-KV with the Triton kernel's plan and LSE combine.
 
 Same contract as ``pallas_triton.mla_decode``. The design follows FlashMLA's Hopper kernel
-(DESIGN notes in ``kernels/decode/MOSAIC_GPU.md``): a program owns 64 query-head rows (one
+(design notes in ``kernels/decode/MOSAIC_GPU.md``): a program owns 64 query-head rows (one
 wgmma M tile; heads are zero-padded to a multiple of 64) and runs its items (``plan``)
-page by page with three warpgroups:
+page by page with two warpgroups, each owning half of the ``[64, Lkv]`` float32 output (128
+registers a thread instead of 256):
 
-* a producer copies each item's queries and each 64-token page (through the block table)
-  into shared memory with TMA: two page slots, the latent ``[64, Lkv]`` and rope
-  ``[64, R]`` parts apart;
-* two consumers each own half of the ``[64, Lkv]`` float32 output (128 registers a thread
-  instead of 256) and take turns on the pages: the owner of a page (consumer 0 the even
-  pages, 1 the odd ones) computes its scores ``[q_lat, q_pe] @ [kv_c, k_pe]^T`` and the
-  online softmax, and hands the bf16 probabilities and the new row maximum to the other
-  through shared memory (the probabilities overwrite the page's rope part, which nothing
-  reads after the scores); both then add ``P @ kv_c[:, half]``. While one consumer runs
-  its softmax the other keeps the tensor cores busy (FlashMLA's "seesaw").
+* each item's queries and each 64-token page (through the block table) are copied into
+  shared memory by TMA, two page slots deep, the latent ``[64, Lkv]`` and rope ``[64, R]``
+  parts apart; warpgroup 0 issues the copies as the slots are released;
+* the warpgroups take turns on the pages: the owner of a page (warpgroup 0 the even pages,
+  1 the odd ones) computes its scores ``[q_lat, q_pe] @ [kv_c, k_pe]^T`` and the online
+  softmax, and hands the bf16 probabilities and the new row maximum to the other through
+  shared memory (the probabilities overwrite the page's rope part, which nothing reads
+  after the scores); both then add ``P @ kv_c[:, half]``. While one runs its softmax the
+  other keeps the tensor cores busy (FlashMLA's "seesaw").
 
 A page's rows past the item's end are loaded with the page (TMA copies whole pages) but
 their scores are masked and their values zeroed in shared memory before any product reads
@@ -57,13 +57,10 @@ class MosaicDecodeConfig:
     approx_math: exp2 through the special-function unit (``ex2.approx``), as FlashMLA.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
-    consumer_registers / producer_registers: ``setmaxnreg`` per warpgroup role.
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
-    consumer_registers: int = 240
-    producer_registers: int = 24
 
 
 def padded_heads(num_heads: int) -> int:
@@ -253,10 +250,10 @@ def _decode_call(
         m_smem=plgpu.SMEM((2, BLOCK_H), jnp.float32),
         l_smem=plgpu.SMEM((NUM_CONSUMERS, BLOCK_H), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # two copies a page
-        kv_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
+        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1 -> 0
         p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
         q_ready=plgpu.Barrier(num_arrivals=2),
-        q_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        q_free=plgpu.Barrier(num_arrivals=1),
         l_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
     kernel = plgpu.kernel(
@@ -272,7 +269,7 @@ def _decode_call(
         scratch_types=scratch,
         grid=(heads // BLOCK_H, programs),
         grid_names=("h", "p"),
-        num_threads=NUM_CONSUMERS + 1,
+        num_threads=NUM_CONSUMERS,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=config.approx_math,
@@ -344,57 +341,15 @@ def _kernel(
         pairs = jnp.where(end > start, (last_page - first_page + 2) // 2, 0)
         return req, start, end, first_page, last_page, pairs
 
-    @pl.when(wg == NUM_CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(config.producer_registers, action="decrease")
-
-        def item(i, pairs_done):
-            req, _, _, first_page, last_page, pairs = item_pages(i)
-
-            @pl.when(i > first_item)
-            def _():
-                plgpu.barrier_wait(q_free)
-
-            plgpu.copy_gmem_to_smem(q_lat_ref.at[req, heads], q_lat_smem, q_ready)
-            plgpu.copy_gmem_to_smem(q_pe_ref.at[req, heads], q_pe_smem, q_ready)
-
-            def pair(j, pairs_done):
-                # The padding page of an odd count is the last page again (masked). The
-                # block ids are read before waiting for the slots: the table read's latency
-                # then overlaps the consumers' work instead of delaying the copies.
-                blocks = [
-                    block_table_ref[req, jnp.minimum(first_page + 2 * j + slot, last_page)]
-                    for slot in range(2)
-                ]
-                for slot, block in enumerate(blocks):
-
-                    @pl.when(pairs_done > 0)
-                    def _(slot=slot):
-                        plgpu.barrier_wait(kv_free.at[slot])
-
-                    plgpu.copy_gmem_to_smem(
-                        cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        cache_ref.at[block, :, pl.ds(lkv, ROPE)],
-                        pe_smem.at[slot],
-                        kv_ready.at[slot],
-                    )
-                return pairs_done + 1
-
-            return lax.fori_loop(0, pairs, pair, pairs_done)
-
-        pairs_done = lax.fori_loop(first_item, last_item, item, 0)
-
-        # Observe the last release of every buffer: each mbarrier phase is waited for.
-        @pl.when(pairs_done > 0)
-        def _():
-            for slot in range(2):
-                plgpu.barrier_wait(kv_free.at[slot])
-
-        @pl.when(last_item > first_item)
-        def _():
-            plgpu.barrier_wait(q_free)
+    def load_page(slot, block):
+        """Starts the copies of cache page ``block`` into ``slot`` (consumer 0 issues them,
+        once the slot is free)."""
+        plgpu.copy_gmem_to_smem(
+            cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
+        )
+        plgpu.copy_gmem_to_smem(
+            cache_ref.at[block, :, pl.ds(lkv, ROPE)], pe_smem.at[slot], kv_ready.at[slot]
+        )
 
     def accumulate(acc, alpha, a_ref, b_ref, during=lambda: None):
         """``acc * alpha[:, None] + a_ref @ b_ref`` with ``during()`` run while the wgmma is
@@ -429,8 +384,34 @@ def _kernel(
     def consumer(w):
         half = pl.ds(w * half_width, half_width)
 
-        def item(i, carry):
+        def item(i, pairs_done):
             req, start, end, first_page, last_page, pairs = item_pages(i)
+
+            def block(k):
+                """The cache block of the item's page ``k`` (past the last page: the last
+                page again, which the padding page of an odd count reloads, masked)."""
+                return block_table_ref[req, jnp.minimum(first_page + k, last_page)]
+
+            if w == 0:
+                # The item's queries once consumer 1 is done with the last item's, its first
+                # two pages once consumer 1 released the last pair's slots.
+                @pl.when(i > first_item)
+                def _():
+                    plgpu.barrier_wait(q_free)
+
+                plgpu.copy_gmem_to_smem(q_lat_ref.at[req, heads], q_lat_smem, q_ready)
+                plgpu.copy_gmem_to_smem(q_pe_ref.at[req, heads], q_pe_smem, q_ready)
+
+                @pl.when(pairs > 0)
+                def _():
+                    for slot, first_block in enumerate([block(0), block(1)]):
+
+                        @pl.when(pairs_done > 0)
+                        def _(slot=slot):
+                            plgpu.barrier_wait(kv_free.at[slot])
+
+                        load_page(slot, first_block)
+
             plgpu.barrier_wait(q_ready)
 
             def own_page(slot, s, m_prev, l, k):
@@ -477,6 +458,18 @@ def _kernel(
                 if w == 0:
                     # Page 2j is ours: scores, softmax, publish, then our half of both
                     # pages' products (page 2j + 1's probabilities come from consumer 1).
+                    # Each slot is refilled with the next pair's page as soon as consumer 1
+                    # releases it; the block ids are read first, their latency hidden by
+                    # this pair's work.
+                    more = j + 1 < pairs
+                    next_blocks = [block(2 * j + 2), block(2 * j + 3)]
+
+                    def refill(slot):
+                        @pl.when(more)
+                        def _():
+                            plgpu.barrier_wait(kv_free.at[slot])
+                            load_page(slot, next_blocks[slot])
+
                     s, _ = scores(0)
                     m0, l, alpha0 = own_page(0, s, m, l, 2 * j)
 
@@ -486,10 +479,10 @@ def _kernel(
                         return plgpu.layout_cast(m_smem[1], row_layout)
 
                     acc, m1 = accumulate(acc, alpha0, pe_smem.at[0], values(0), wait_for_odd_page)
-                    plgpu.barrier_arrive(kv_free.at[0])
+                    refill(0)
                     alpha1 = jnp.exp2(m0 - m1)
                     acc, _ = accumulate(acc, alpha1, pe_smem.at[1], values(1))
-                    plgpu.barrier_arrive(kv_free.at[1])
+                    refill(1)
                     return acc, m1, l * alpha1
 
                 # Page 2j + 1 is ours: its scores run while page 2j's softmax finishes on
@@ -517,7 +510,8 @@ def _kernel(
             m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
             acc, m, l = lax.fori_loop(0, pairs, pair, (acc, m, l))
-            plgpu.barrier_arrive(q_free)
+            if w == 1:
+                plgpu.barrier_arrive(q_free)
 
             # Each consumer summed the probabilities of its own pages.
             l_smem[w] = l
@@ -544,17 +538,22 @@ def _kernel(
                 if w == 0:
                     lse_part_ref[i, heads] = lse
 
-            return carry
+            return pairs_done + pairs
 
-        lax.fori_loop(first_item, last_item, item, 0)
+        pairs_done = lax.fori_loop(first_item, last_item, item, 0)
+        if w == 0:
+            # Observe consumer 1's last releases: every mbarrier phase is waited for.
+            @pl.when(pairs_done > 0)
+            def _():
+                for slot in range(2):
+                    plgpu.barrier_wait(kv_free.at[slot])
 
-    # One branch for both consumers, so that ptxas compiles all their code under the raised
-    # register limit (the producer's branch gives the registers up).
-    @pl.when(wg < NUM_CONSUMERS)
-    def _consumers():
-        plgpu.set_max_registers(config.consumer_registers, action="increase")
-        for w in range(NUM_CONSUMERS):
-            pl.when(wg == w)(functools.partial(consumer, w))
+            @pl.when(last_item > first_item)
+            def _():
+                plgpu.barrier_wait(q_free)
+
+    for w in range(NUM_CONSUMERS):
+        pl.when(wg == w)(functools.partial(consumer, w))
 
 
 def default_schedule(
