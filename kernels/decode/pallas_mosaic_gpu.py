@@ -35,9 +35,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import fp8, online_softmax
 from . import pallas_triton
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 BLOCK_H = 64  # query-head rows of a program: one wgmma M tile
 PAGE = 64  # cache page = tokens per step
 ROPE = 64  # k_pe width: one 128-byte swizzled tile
-NUM_CONSUMERS = 2
+NUM_WARPGROUPS = 2  # each holds half of the output's columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def padded_heads(num_heads: int) -> int:
 
 
 def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -> int:
-    """Programs per block of 64 heads: one a multiprocessor (a program takes ~217 KB of
+    """Programs per block of 64 heads: one a multiprocessor (a program takes 225 KB of
     shared memory), the multiprocessors shared between the head blocks."""
     return max(1, num_sms // (padded_heads(num_heads) // BLOCK_H))
 
@@ -237,29 +237,36 @@ def _decode_call(
 ):
     """The split-KV kernel: ``(out, lse)`` of the items that cover a request whole, the
     float32 partials ``(o_part, lse_part)`` of the others."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     b, heads, lkv = q_lat.shape
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf16 = jnp.bfloat16
+    f32_swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    half_shape = (NUM_WARPGROUPS, BLOCK_H, lkv // NUM_WARPGROUPS)
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), bf16, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
-        kv_smem=plgpu.SMEM((2, PAGE, lkv), bf16, transforms=swizzled),
-        pe_smem=plgpu.SMEM((2, PAGE, ROPE), bf16, transforms=swizzled),
+        # The page slots, and at the end of an item (no page in flight) the output halves
+        # on their way to global memory.
+        pages=plgpu.RefUnion(
+            (
+                plgpu.SMEM((2, PAGE, lkv), bf16, transforms=swizzled),
+                plgpu.SMEM((2, PAGE, ROPE), bf16, transforms=swizzled),
+            ),
+            plgpu.SMEM(half_shape, q_lat.dtype, transforms=swizzled),
+            plgpu.SMEM(half_shape, jnp.float32, transforms=f32_swizzled),
+        ),
         m_smem=plgpu.SMEM((2, BLOCK_H), jnp.float32),
-        l_smem=plgpu.SMEM((NUM_CONSUMERS, BLOCK_H), jnp.float32),
+        l_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
+        lse_smem=plgpu.SMEM((BLOCK_H,), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # two copies a page
-        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # consumer 1 -> 0
+        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # warpgroup 1 -> 0
         p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
         q_ready=plgpu.Barrier(num_arrivals=2),
         q_free=plgpu.Barrier(num_arrivals=1),
-        l_ready=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        l_ready=plgpu.Barrier(num_arrivals=NUM_WARPGROUPS),
     )
     kernel = plgpu.kernel(
-        functools.partial(
-            _kernel, scale=scale, config=config, interpret=bool(interpret), plgpu=plgpu
-        ),
+        functools.partial(_kernel, scale=scale, interpret=bool(interpret)),
         out_type=(
             jax.ShapeDtypeStruct((b, heads, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
@@ -269,7 +276,7 @@ def _decode_call(
         scratch_types=scratch,
         grid=(heads // BLOCK_H, programs),
         grid_names=("h", "p"),
-        num_threads=NUM_CONSUMERS,
+        num_threads=NUM_WARPGROUPS,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=config.approx_math,
@@ -307,10 +314,10 @@ def _kernel(
     *,
     q_lat_smem,
     q_pe_smem,
-    kv_smem,
-    pe_smem,
+    pages,
     m_smem,
     l_smem,
+    lse_smem,
     kv_ready,
     kv_free,
     p_ready,
@@ -318,12 +325,13 @@ def _kernel(
     q_free,
     l_ready,
     scale,
-    config,
     interpret,
-    plgpu,
 ):
+    """One program (a block of 64 heads x a share of the batch's tokens) on two warpgroups;
+    the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``)."""
+    (kv_smem, pe_smem), out_smem, o_part_smem = pages
     lkv = q_lat_smem.shape[-1]
-    half_width = lkv // NUM_CONSUMERS
+    half_width = lkv // NUM_WARPGROUPS
     wg = lax.axis_index("wg")
     p = lax.axis_index("p")
     heads = pl.ds(lax.axis_index("h") * BLOCK_H, BLOCK_H)
@@ -334,7 +342,7 @@ def _kernel(
 
     def item_pages(i):
         """An item's request, token range, first and last page and page pairs (its pages
-        rounded up to an even count: the consumers take pages two at a time)."""
+        rounded up to an even count: the warpgroups take pages two at a time)."""
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
         first_page = start // PAGE
         last_page = jnp.maximum(end - 1, 0) // PAGE
@@ -342,7 +350,7 @@ def _kernel(
         return req, start, end, first_page, last_page, pairs
 
     def load_page(slot, block):
-        """Starts the copies of cache page ``block`` into ``slot`` (consumer 0 issues them,
+        """Starts the copies of cache page ``block`` into ``slot`` (warpgroup 0 issues them,
         once the slot is free)."""
         plgpu.copy_gmem_to_smem(
             cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
@@ -381,7 +389,9 @@ def _kernel(
 
         return pl.run_scoped(scope, plgpu.ACC((BLOCK_H, PAGE), jnp.float32))
 
-    def consumer(w):
+    def warpgroup(w):
+        """Warpgroup ``w``'s part of the program's items: output columns ``half``, the
+        pages ``2j + w`` of each pair ``j`` (and, for warpgroup 0, every copy)."""
         half = pl.ds(w * half_width, half_width)
 
         def item(i, pairs_done):
@@ -393,8 +403,8 @@ def _kernel(
                 return block_table_ref[req, jnp.minimum(first_page + k, last_page)]
 
             if w == 0:
-                # The item's queries once consumer 1 is done with the last item's, its first
-                # two pages once consumer 1 released the last pair's slots.
+                # The item's queries and first two pages once warpgroup 1 is done with the
+                # last item (its queries, pages and the output staged in the page slots).
                 @pl.when(i > first_item)
                 def _():
                     plgpu.barrier_wait(q_free)
@@ -457,8 +467,8 @@ def _kernel(
                 acc, m, l = state
                 if w == 0:
                     # Page 2j is ours: scores, softmax, publish, then our half of both
-                    # pages' products (page 2j + 1's probabilities come from consumer 1).
-                    # Each slot is refilled with the next pair's page as soon as consumer 1
+                    # pages' products (page 2j + 1's probabilities come from warpgroup 1).
+                    # Each slot is refilled with the next pair's page as soon as warpgroup 1
                     # releases it; the block ids are read first, their latency hidden by
                     # this pair's work.
                     more = j + 1 < pairs
@@ -486,7 +496,7 @@ def _kernel(
                     return acc, m1, l * alpha1
 
                 # Page 2j + 1 is ours: its scores run while page 2j's softmax finishes on
-                # consumer 0; our softmax runs while page 2j's product is in flight.
+                # warpgroup 0; our softmax runs while page 2j's product is in flight.
                 def wait_for_even_page():
                     plgpu.barrier_wait(kv_ready.at[0])
                     plgpu.barrier_wait(p_ready.at[0])
@@ -510,10 +520,9 @@ def _kernel(
             m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
             acc, m, l = lax.fori_loop(0, pairs, pair, (acc, m, l))
-            if w == 1:
-                plgpu.barrier_arrive(q_free)
 
-            # Each consumer summed the probabilities of its own pages.
+            # Each warpgroup summed the probabilities of its own pages. Past this barrier
+            # both are done with the item's pages and queries.
             l_smem[w] = l
             plgpu.barrier_arrive(l_ready)
             plgpu.barrier_wait(l_ready)
@@ -526,23 +535,39 @@ def _kernel(
             )
             whole = (start == 0) & (end == seq_lens_ref[req])
 
+            def store(stage, value, dst, lse_dst):
+                """The output half (and warpgroup 0 the lse) through shared memory and a
+                TMA store: a warp's register stores would cover partial 32-byte sectors."""
+                stage[w] = value
+                if w == 0:
+                    lse_smem[...] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage.at[w], dst)
+                if w == 0:
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+
             @pl.when(whole)
             def _():
-                out_ref[req, heads, half] = out.astype(out_ref.dtype)
-                if w == 0:
-                    lse_ref[req, heads] = lse
+                store(
+                    out_smem,
+                    out.astype(out_ref.dtype),
+                    out_ref.at[req, heads, half],
+                    lse_ref.at[req, heads],
+                )
 
             @pl.when(jnp.logical_not(whole))
             def _():
-                o_part_ref[i, heads, half] = out
-                if w == 0:
-                    lse_part_ref[i, heads] = lse
+                store(o_part_smem, out, o_part_ref.at[i, heads, half], lse_part_ref.at[i, heads])
 
+            # The staging memory is the page slots: read out before warpgroup 0 refills.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if w == 1:
+                plgpu.barrier_arrive(q_free)
             return pairs_done + pairs
 
         pairs_done = lax.fori_loop(first_item, last_item, item, 0)
         if w == 0:
-            # Observe consumer 1's last releases: every mbarrier phase is waited for.
+            # Observe warpgroup 1's last releases: every mbarrier phase is waited for.
             @pl.when(pairs_done > 0)
             def _():
                 for slot in range(2):
@@ -552,19 +577,5 @@ def _kernel(
             def _():
                 plgpu.barrier_wait(q_free)
 
-    for w in range(NUM_CONSUMERS):
-        pl.when(wg == w)(functools.partial(consumer, w))
-
-
-def default_schedule(
-    seq_lens: np.ndarray, num_heads: int, num_sms: int
-) -> pallas_triton.DecodeSchedule:
-    """The host plan for this kernel: ``pallas_triton.plan`` over ``num_programs`` programs
-    in whole pages."""
-    programs = num_programs(num_heads, num_sms)
-    return pallas_triton.plan(
-        seq_lens,
-        num_programs=programs,
-        block_k=PAGE,
-        num_items=pallas_triton.max_items(len(seq_lens), programs),
-    )
+    for w in range(NUM_WARPGROUPS):
+        pl.when(wg == w)(functools.partial(warpgroup, w))

@@ -11,9 +11,12 @@ a wgmma accumulator, so the rescaled accumulation ``acc * alpha + P @ V`` adds t
 after the wgmma instead of accumulating onto ``acc * alpha`` (``accumulate`` in the kernel);
 the compiled path is proven by the tests marked ``gpu``. On a GPU every test runs compiled.
 
-Tolerances are the bf16 ones of ``test_decode_kernel`` (the same rounding: bf16
-probabilities and output, float32 scores and sums): measured here (8 seeds, interpret mode,
-2026-11-24) out <= 1.1e-3 relative, lse <= 5e-6 absolute.
+Tolerances: out uses the bf16 bound of ``test_decode_kernel`` (3e-3 relative; the same
+rounding: bf16 probabilities and output, float32 scores and sums); lse gets its own, tighter
+bound, 1e-5 absolute. Measured (2026-11-24): interpret mode, 6 seeds x 2 of these cases,
+out <= 1.14e-3 and lse <= 2.9e-6; compiled on an H200 (exp2, log and reciprocals
+approximate), against the XLA reference on bench_decode's cases, out <= 1.7e-3 and lse
+<= 1.9e-6.
 """
 
 from __future__ import annotations
@@ -48,9 +51,15 @@ def _run(args, *, scale, schedule=None, **kwargs):
     )
 
 
+LSE_TOL = 1e-5
+
+
 def _check(args, scale, **kwargs):
     got = _run(args, scale=scale, **kwargs)
-    bf16_tests._check(got, bf16_tests._expected(*args, scale), args[-1], BF16)
+    want = bf16_tests._expected(*args, scale)
+    bf16_tests._check(got, want, args[-1], BF16)
+    live = args[-1] > 0
+    np.testing.assert_allclose(np.asarray(got[1])[live], want[1][live], rtol=0, atol=LSE_TOL)
 
 
 @pytest.mark.parametrize("n", [8, 16, 64, 128])
@@ -91,6 +100,18 @@ def test_deepseek_dims(rng):
     args = bf16_tests._case(rng, [70, 1, 129], n=16, lkv=512, r=64, block_size=64, dtype=BF16)
     schedule = pallas_triton.plan(args[-1], num_programs=2, block_k=mosaic.PAGE, num_items=5)
     _check(args, 0.07, schedule=schedule)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret mode only")
+def test_outputs_start_poisoned():
+    """Guards the claim above: in Mosaic GPU interpret mode an output the kernel never
+    writes is NaN."""
+    out = plgpu.kernel(
+        lambda o_ref: None,
+        out_type=jax.ShapeDtypeStruct((64,), BF16),
+        interpret=plgpu.InterpretGPUParams(),
+    )()
+    assert np.isnan(np.asarray(out, np.float32)).all()
 
 
 def test_other_inputs_run_the_triton_kernel(rng, caplog):
