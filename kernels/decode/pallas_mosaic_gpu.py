@@ -91,6 +91,11 @@ def unsupported(q_lat, q_pe, kv_cache) -> str | None:
         cc = getattr(jax.devices()[0], "compute_capability", "")
         if cc and not str(cc).startswith("9"):
             return f"compute capability {cc} (runs sm90)"
+        if tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11):
+            # Compiled and run on 0.11.2. The Mosaic GPU lowering of 0.12 refuses the
+            # output's register-to-global stores (a warp's bf16 row is half a 32-byte
+            # sector); interpret mode runs on 0.11 and 0.12.
+            return f"jax {jax.__version__} compiled (runs 0.11)"
     return None
 
 
@@ -240,24 +245,13 @@ def _decode_call(
     b, heads, lkv = q_lat.shape
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf16 = jnp.bfloat16
-    f32_swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    half_shape = (NUM_WARPGROUPS, BLOCK_H, lkv // NUM_WARPGROUPS)
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), bf16, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
-        # The page slots, and at the end of an item (no page in flight) the output halves
-        # on their way to global memory.
-        pages=plgpu.RefUnion(
-            (
-                plgpu.SMEM((2, PAGE, lkv), bf16, transforms=swizzled),
-                plgpu.SMEM((2, PAGE, ROPE), bf16, transforms=swizzled),
-            ),
-            plgpu.SMEM(half_shape, q_lat.dtype, transforms=swizzled),
-            plgpu.SMEM(half_shape, jnp.float32, transforms=f32_swizzled),
-        ),
+        kv_smem=plgpu.SMEM((2, PAGE, lkv), bf16, transforms=swizzled),
+        pe_smem=plgpu.SMEM((2, PAGE, ROPE), bf16, transforms=swizzled),
         m_smem=plgpu.SMEM((2, BLOCK_H), jnp.float32),
         l_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
-        lse_smem=plgpu.SMEM((BLOCK_H,), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # two copies a page
         kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # warpgroup 1 -> 0
         p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
@@ -314,10 +308,10 @@ def _kernel(
     *,
     q_lat_smem,
     q_pe_smem,
-    pages,
+    kv_smem,
+    pe_smem,
     m_smem,
     l_smem,
-    lse_smem,
     kv_ready,
     kv_free,
     p_ready,
@@ -329,7 +323,6 @@ def _kernel(
 ):
     """One program (a block of 64 heads x a share of the batch's tokens) on two warpgroups;
     the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``)."""
-    (kv_smem, pe_smem), out_smem, o_part_smem = pages
     lkv = q_lat_smem.shape[-1]
     half_width = lkv // NUM_WARPGROUPS
     wg = lax.axis_index("wg")
@@ -403,8 +396,8 @@ def _kernel(
                 return block_table_ref[req, jnp.minimum(first_page + k, last_page)]
 
             if w == 0:
-                # The item's queries and first two pages once warpgroup 1 is done with the
-                # last item (its queries, pages and the output staged in the page slots).
+                # The item's queries once warpgroup 1 is done with the last item's, its first
+                # two pages once warpgroup 1 released the last pair's slots.
                 @pl.when(i > first_item)
                 def _():
                     plgpu.barrier_wait(q_free)
@@ -520,9 +513,10 @@ def _kernel(
             m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
             acc, m, l = lax.fori_loop(0, pairs, pair, (acc, m, l))
+            if w == 1:
+                plgpu.barrier_arrive(q_free)
 
-            # Each warpgroup summed the probabilities of its own pages. Past this barrier
-            # both are done with the item's pages and queries.
+            # Each warpgroup summed the probabilities of its own pages.
             l_smem[w] = l
             plgpu.barrier_arrive(l_ready)
             plgpu.barrier_wait(l_ready)
@@ -535,34 +529,18 @@ def _kernel(
             )
             whole = (start == 0) & (end == seq_lens_ref[req])
 
-            def store(stage, value, dst, lse_dst):
-                """The output half (and warpgroup 0 the lse) through shared memory and a
-                TMA store: a warp's register stores would cover partial 32-byte sectors."""
-                stage[w] = value
-                if w == 0:
-                    lse_smem[...] = lse
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage.at[w], dst)
-                if w == 0:
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
-
             @pl.when(whole)
             def _():
-                store(
-                    out_smem,
-                    out.astype(out_ref.dtype),
-                    out_ref.at[req, heads, half],
-                    lse_ref.at[req, heads],
-                )
+                out_ref[req, heads, half] = out.astype(out_ref.dtype)
+                if w == 0:
+                    lse_ref[req, heads] = lse
 
             @pl.when(jnp.logical_not(whole))
             def _():
-                store(o_part_smem, out, o_part_ref.at[i, heads, half], lse_part_ref.at[i, heads])
+                o_part_ref[i, heads, half] = out
+                if w == 0:
+                    lse_part_ref[i, heads] = lse
 
-            # The staging memory is the page slots: read out before warpgroup 0 refills.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if w == 1:
-                plgpu.barrier_arrive(q_free)
             return pairs_done + pairs
 
         pairs_done = lax.fori_loop(first_item, last_item, item, 0)
