@@ -1,5 +1,5 @@
-"""Pieces shared by the Pallas kernels: the online softmax, the LSE merge, dots, padded tiles
-and backend selection.
+"""Pieces shared by the kernels: the online softmax, the LSE merge, dots, padded tiles and
+backend selection for the Pallas kernels; the dense softmax with LSE for the references.
 
 Inside a kernel, scores live in the log2 domain (already multiplied by
 ``scale * log2(e)``) so that ``exp2`` replaces ``exp``; ``finalize`` hands back the natural
@@ -43,6 +43,19 @@ def dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((1,), (1,) if trans_b else (0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def softmax_with_lse(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The references' dense softmax: probabilities of scaled scores ``s [..., k]`` (natural
+    log domain, float32) over the keys where ``mask`` (broadcast against ``s``), and the
+    natural-log ``lse [...]``; rows with no key get all-zero probabilities and ``lse = -inf``."""
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    return p, (m + jnp.log(denom))[..., 0]
 
 
 class SoftmaxState(NamedTuple):

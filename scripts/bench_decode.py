@@ -1,7 +1,7 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8|mgpu]]
-        [--kernel triton|mgpu]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu]]
+        [--kernel triton|mgpu] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
@@ -14,31 +14,100 @@ the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_s
 beside the Triton one on the same inputs in the same run, N = 16 and 128 over the cases
 below (``decode_mgpu.json``); ``--sweep mgpu`` its compile options on the cases of its
 targets (``decode_mgpu_sweep.json``, under --out only).
+``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only
+(the Mosaic GPU kernel hands the smoke shapes, page 16, to the Triton kernel).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
+from benchlib import (
+    copy_bandwidth,
+    jsonable,
+    parse_args,
+    parser,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 
-from mla_jax.kernels import KernelPlan, decode, fp8, reference
+from mla_jax.kernels import KernelPlan, decode, fp8
 from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 
-LKV, R, PAGE = 512, 64, 64
 SCALE = 192**-0.5
-FP8_TOKEN_BYTES = LKV + fp8.num_groups(LKV) * 4 + R * 2  # 656
 
 
-def _inputs(rng, seq_lens, n, sets):
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The shapes a run measures: the benchmark's, or a smoke run's."""
+
+    lkv: int  # latent width (values, and keys with the rope part)
+    rope: int
+    page: int
+    cases: tuple[tuple[str, tuple[int, ...]], ...]  # (label, context of each request)
+    ragged: tuple[int, int]  # requests, longest context of the ragged pair of cases
+    # (heads, whether the ragged cases and the FP8 table run too) of each part of the table
+    heads: tuple[tuple[int, bool], ...]
+    sweep_cases: dict  # heads -> labels of ``cases`` the sweep times
+    fp8_sweep_cases: tuple  # (heads, labels) the FP8 sweep times
+    mosaic_heads: tuple[int, ...]  # heads of the Mosaic GPU table (over ``cases``)
+    mosaic_sweep_cases: tuple  # (heads, labels) the Mosaic GPU sweep times
+
+    @property
+    def fp8_token_bytes(self) -> int:
+        """Bytes of a token in the FP8 cache (656 for DeepSeek's 512 + 64)."""
+        return self.lkv + fp8.num_groups(self.lkv) * 4 + self.rope * 2
+
+
+FULL = Sizes(
+    lkv=512,
+    rope=64,
+    page=64,
+    cases=(
+        ("1 x 16384", (16384,)),
+        ("32 x 4096", (4096,) * 32),
+        ("128 x 4096", (4096,) * 128),
+        ("64 x 16384", (16384,) * 64),
+    ),
+    ragged=(128, 8192),
+    heads=((16, True), (128, True), (8, False)),
+    # N = 16 on its first three cases, N = 128 on 128 x 4096.
+    sweep_cases={16: ("1 x 16384", "32 x 4096", "128 x 4096"), 128: ("128 x 4096",)},
+    # The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
+    # 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower).
+    fp8_sweep_cases=((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",))),
+    mosaic_heads=(16, 128),
+    # The Mosaic GPU kernel's targets (issue 19): N = 128 at 128 x 4096 and 64 x 16384,
+    # N = 16 at 64 x 16384.
+    mosaic_sweep_cases=((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",))),
+)
+SMOKE = Sizes(
+    lkv=64,
+    rope=16,
+    page=16,
+    cases=(("3 x 40", (40,) * 3),),
+    ragged=(4, 64),
+    heads=((16, True),),
+    sweep_cases={16: ("3 x 40",), 128: ("3 x 40",)},
+    fp8_sweep_cases=((16, ("3 x 40",)),),
+    mosaic_heads=(16,),
+    mosaic_sweep_cases=((16, ("3 x 40",)),),
+)
+
+
+def _inputs(rng, seq_lens, n, sets, sizes: Sizes):
     """Random q, a paged cache with randomly placed pages, and block tables; ``sets`` copies
     of the cache (rotated between calls when one copy would sit in L2)."""
     b = len(seq_lens)
-    pages = -(-seq_lens // PAGE)
+    pages = -(-seq_lens // sizes.page)
     width = int(pages.max())
     num_pages = int(pages.sum()) + 1
     perm = rng.permutation(num_pages)
@@ -46,34 +115,38 @@ def _inputs(rng, seq_lens, n, sets):
     table[np.arange(width)[None, :] < pages[:, None]] = perm[: int(pages.sum())]
     key = jax.random.key(int(rng.integers(2**31)))
     ks = jax.random.split(key, 2 + sets)
-    q_lat = jax.random.normal(ks[0], (b, n, LKV), jnp.bfloat16)
-    q_pe = jax.random.normal(ks[1], (b, n, R), jnp.bfloat16)
-    caches = [jax.random.normal(k, (num_pages, PAGE, LKV + R), jnp.bfloat16) for k in ks[2:]]
+    q_lat = jax.random.normal(ks[0], (b, n, sizes.lkv), jnp.bfloat16)
+    q_pe = jax.random.normal(ks[1], (b, n, sizes.rope), jnp.bfloat16)
+    cache_shape = (num_pages, sizes.page, sizes.lkv + sizes.rope)
+    caches = [jax.random.normal(k, cache_shape, jnp.bfloat16) for k in ks[2:]]
     lens = jnp.asarray(seq_lens, jnp.int32)
     return [(q_lat, q_pe, c, jnp.asarray(table), lens) for c in caches]
 
 
-@jax.jit
-def _quantized(cache: jax.Array) -> fp8.Fp8Cache:
-    """The FP8 layout of a bf16 cache ``[pages, PAGE, LKV + R]`` (what ``write_cache`` would
-    have stored for the same rows)."""
-    values, scales = fp8.quantize(cache[..., :LKV])
-    return fp8.Fp8Cache(values, cache[..., LKV:], scales)
+@functools.partial(jax.jit, static_argnums=1)
+def _quantized(cache: jax.Array, lkv: int) -> fp8.Fp8Cache:
+    """The FP8 layout of a bf16 cache ``[pages, page, lkv + rope]`` (what ``write_cache``
+    would have stored for the same rows)."""
+    values, scales = fp8.quantize(cache[..., :lkv])
+    return fp8.Fp8Cache(values, cache[..., lkv:], scales)
 
 
-def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=False):
+def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, quantized=False):
     """Times the kernel on one batch; ``quantized``: over the FP8 layout of the same kind of
     random cache."""
     seq_lens = np.asarray(seq_lens)
-    token_bytes = FP8_TOKEN_BYTES if quantized else (LKV + R) * 2
+    lkv, rope = sizes.lkv, sizes.rope
+    token_bytes = sizes.fp8_token_bytes if quantized else (lkv + rope) * 2
     cache_bytes = int(seq_lens.sum()) * token_bytes
     sets = int(min(8, max(1, -(-256 * 2**20 // cache_bytes))))
-    arg_sets = _inputs(rng, seq_lens, n, sets)
+    arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     if quantized:
-        arg_sets = [(*a[:2], _quantized(a[2]), *a[3:]) for a in arg_sets]
-    config = decode.default_config(n, len(seq_lens))._replace(**(variant or {}))
+        arg_sets = [(*a[:2], _quantized(a[2], lkv), *a[3:]) for a in arg_sets]
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
-    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=config.block_k))
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=config.block_k)
+    )
     # The schedule is an argument (as it is in the model), not a constant baked in.
     kernel = jax.jit(
         lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
@@ -83,22 +156,29 @@ def _case(rng, label, seq_lens, n, variant=None, with_reference=True, quantized=
     us = timing.us
     tokens = int(seq_lens.sum())
     b = len(seq_lens)
-    nbytes = tokens * token_bytes + b * n * (LKV + R) * 2 + b * n * LKV * 2
+    nbytes = tokens * token_bytes + b * n * (lkv + rope) * 2 + b * n * lkv * 2
     result = {
         "case": label,
         "N": n,
         "cache": "fp8" if quantized else "bf16",
         "us": us,
         "GB/s": nbytes / us / 1e3,
-        "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / us / 1e6,
+        "TFLOP/s": 2 * n * tokens * (lkv + rope + lkv) / us / 1e6,
         "items": int(schedule.req_items[-1]),
         "programs": programs,
         "timing": timing,
     }
     if with_reference:
-        ref = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))
-        want = ref(*arg_sets[0][:5])
-        result.update(_errors(kernel(*arg_sets[0]), want, seq_lens))
+        ref = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))
+        out, lse = kernel(*arg_sets[0])
+        want, want_lse = ref(*arg_sets[0][:5])
+        err = jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(
+            want.astype(jnp.float32)
+        )
+        result["rel_err"] = float(err)
+        result["lse_err"] = float(
+            jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
+        )
         if not quantized:
             result["xla_timing"] = time_us(ref, [arg_sets[0][:5]], reps=10)
             result["xla_us"] = result["xla_timing"].us
@@ -116,41 +196,44 @@ def _errors(got, want, seq_lens) -> dict:
     return {"rel_err": float(err), "lse_err": float(lse_err)}
 
 
-def _mosaic_case(rng, label, seq_lens, n, variant=None, with_triton=True) -> dict:
+def _mosaic_case(rng, label, seq_lens, n, sizes, variant=None, with_triton=True) -> dict:
     """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults) and, on
     the same inputs, the Triton kernel with its default config; errors of both against the
     reference."""
     seq_lens = np.asarray(seq_lens)
+    lkv, rope = sizes.lkv, sizes.rope
     tokens = int(seq_lens.sum())
-    sets = int(min(8, max(1, -(-256 * 2**20 // (tokens * (LKV + R) * 2)))))
-    arg_sets = _inputs(rng, seq_lens, n, sets)
+    sets = int(min(8, max(1, -(-256 * 2**20 // (tokens * (lkv + rope) * 2)))))
+    arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     num_sms = KernelPlan.for_device(n).num_sms
     programs = mosaic.num_programs(n, num_sms)
-    schedule = jax.device_put(decode.plan(seq_lens, num_programs=programs, block_k=PAGE))
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=sizes.page)
+    )
     config = mosaic.MosaicDecodeConfig(**(variant or {}))
     kernel = jax.jit(
         lambda *a: mosaic.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
     )
-    want = jax.jit(functools.partial(reference.mla_decode, scale=SCALE))(*arg_sets[0])
+    want = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))(*arg_sets[0])
     timing = time_us(kernel, [(*a, schedule) for a in arg_sets])
     b = len(seq_lens)
-    nbytes = tokens * (LKV + R) * 2 + b * n * (LKV + R) * 2 + b * n * LKV * 2
+    nbytes = tokens * (lkv + rope) * 2 + b * n * (lkv + rope) * 2 + b * n * lkv * 2
     result = {
         "case": label,
         "N": n,
         "us": timing.us,
         "GB/s": nbytes / timing.us / 1e3,
-        "TFLOP/s": 2 * n * tokens * (LKV + R + LKV) / timing.us / 1e6,
+        "TFLOP/s": 2 * n * tokens * (lkv + rope + lkv) / timing.us / 1e6,
         "programs": programs,
         "items": int(schedule.req_items[-1]),
         "timing": timing,
         **_errors(kernel(*arg_sets[0], schedule), want, seq_lens),
     }
     if with_triton:
-        t_config = decode.default_config(n, b)
+        t_config = decode.DecodeConfig.for_shape(n, b)
         t_programs = decode.num_programs(t_config, n, num_sms)
         t_schedule = jax.device_put(
-            decode.plan(seq_lens, num_programs=t_programs, block_k=t_config.block_k)
+            decode.schedule_splits(seq_lens, num_programs=t_programs, block_k=t_config.block_k)
         )
         triton = jax.jit(
             lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=t_config)
@@ -163,12 +246,14 @@ def _mosaic_case(rng, label, seq_lens, n, variant=None, with_triton=True) -> dic
     return result
 
 
-def _mosaic_table(rng, copy, out_dir) -> None:
-    """``decode_mgpu.json``: the Mosaic GPU kernel beside Triton, N = 16 and 128."""
+def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
+    """``decode_mgpu.json``: the Mosaic GPU kernel beside Triton, per ``sizes.mosaic_heads``."""
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
     rows = []
-    for n in (16, 128):
-        for label, lens in CASES:
-            r = _mosaic_case(rng, label, lens, n)
+    for n in sizes.mosaic_heads:
+        for label, lens in sizes.cases:
+            r = _mosaic_case(rng, label, lens, n, sizes)
             print(json.dumps(jsonable(r)), flush=True)
             cells = [
                 r["case"],
@@ -183,9 +268,10 @@ def _mosaic_table(rng, copy, out_dir) -> None:
                 f"{r['triton_rel_err']:.1e}",
             ]
             rows.append(row(cells, mosaic=r["timing"], triton=r["triton_timing"]))
+    width = sizes.lkv + sizes.rope
     save(
         "decode_mgpu",
-        "Paged MLA decode: Mosaic GPU kernel beside the Triton kernel, page 64, bf16",
+        f"Paged MLA decode: Mosaic GPU kernel beside the Triton kernel, page {sizes.page}, bf16",
         [
             "batch x context",
             "N",
@@ -204,10 +290,11 @@ def _mosaic_table(rng, copy, out_dir) -> None:
             f"{copy.method}).",
             "Both kernels on the same inputs in the same run, each with its own default "
             "launch (Mosaic: 64 heads a program, one program a multiprocessor; Triton: "
-            "decode.default_config) and its own split-KV plan; us includes the combine kernel.",
-            "TFLOP/s counts 2 x N x context x (576 + 512) (N = 16 is padded to 64 rows in the "
-            "Mosaic kernel: 4x the counted work); GB/s counts 576 x 2 B per context token plus "
-            "q and out.",
+            "DecodeConfig.for_shape) and its own split-KV plan; us includes the combine "
+            "kernel.",
+            f"TFLOP/s counts 2 x N x context x ({width} + {sizes.lkv}) (N = 16 is padded to 64 "
+            "rows in the Mosaic kernel: 4x the counted work); GB/s counts "
+            f"{width} x 2 B per context token plus q and out.",
             "rel err: relative L2 error of out against the XLA reference on the same inputs.",
         ],
         extra={"copy_bandwidth": copy.record()},
@@ -215,29 +302,39 @@ def _mosaic_table(rng, copy, out_dir) -> None:
     )
 
 
-# Compile options of the Mosaic GPU kernel, on the cases of the targets.
-MOSAIC_SWEEP_CASES = ((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",)))
+# Compile options of the Mosaic GPU kernel, each on top of the defaults.
 MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
 
 
-CASES = [
-    ("1 x 16384", [16384]),
-    ("32 x 4096", [4096] * 32),
-    ("128 x 4096", [4096] * 128),
-    ("64 x 16384", [16384] * 64),
-]
-
-
-def _ragged(rng):
-    lens = rng.integers(1, 8193, 128)
-    uniform = [int(lens.sum()) // 128] * 128
+def _mosaic_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of MOSAIC_SWEEP on ``sizes.mosaic_sweep_cases`` (Triton timed beside
+    the defaults)."""
+    lens_of = dict(sizes.cases)
     return [
-        (f"ragged 128 in [1, 8192] ({lens.sum()} tok)", lens),
+        (
+            {"case": label, "N": n},
+            v,
+            lambda label=label, n=n, v=v: _mosaic_case(
+                rng, label, lens_of[label], n, sizes, v, with_triton=not v
+            ),
+        )
+        for n, labels in sizes.mosaic_sweep_cases
+        for label in labels
+        for v in MOSAIC_SWEEP
+    ]
+
+
+def _ragged(rng, sizes: Sizes):
+    count, longest = sizes.ragged
+    lens = rng.integers(1, longest + 1, count)
+    uniform = [int(lens.sum()) // count] * count
+    return [
+        (f"ragged {count} in [1, {longest}] ({lens.sum()} tok)", lens),
         ("uniform, same tokens", uniform),
     ]
 
 
-# The variants behind kernels.decode.default_config (each on top of the default).
+# The variants behind DecodeConfig.for_shape (each on top of its choice).
 SWEEP = {
     16: [
         {},
@@ -250,13 +347,11 @@ SWEEP = {
     ],
     128: [{}, dict(num_stages=2), dict(block_k=32, num_stages=4), dict(block_h=32, num_warps=4)],
 }
-# The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
-# 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower), each variant on top of the
-# default config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
+# The FP8 cache against bf16 on Sizes.fp8_sweep_cases, each variant on top of the default
+# config, in one run (``--sweep fp8``). bf16 num_stages=1 shows what Triton's
 # pipelining is worth: if bf16 without it is as slow as FP8, FP8's loads are likely not
 # pipelined (they are converted before their dot), which ``prefetch`` works around.
 # split_tail=False where prefetch needs it (the N = 128 default has it on).
-FP8_SWEEP_CASES = ((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",)))
 FP8_SWEEP_BF16 = [{}, dict(num_stages=1), dict(prefetch=True, split_tail=False)]
 FP8_SWEEP = [
     {},
@@ -270,9 +365,9 @@ FP8_SWEEP = [
 ]
 
 
-def _fp8_trials(rng) -> list:
-    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label from CASES."""
-    lens_of = dict(CASES)
+def _fp8_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of FP8_SWEEP and its bf16 baselines, cases by label."""
+    lens_of = dict(sizes.cases)
     return [
         (
             {"case": label, "N": n, "cache": cache},
@@ -282,69 +377,71 @@ def _fp8_trials(rng) -> list:
                 label,
                 lens_of[label],
                 n,
+                sizes,
                 variant,
                 with_reference=cache == "fp8",  # the error of float16 conversion
                 quantized=cache == "fp8",
             ),
         )
-        for n, labels in FP8_SWEEP_CASES
+        for n, labels in sizes.fp8_sweep_cases
         for label in labels
         for cache, variants in (("bf16", FP8_SWEEP_BF16), ("fp8", FP8_SWEEP))
         for variant in variants
     ]
 
 
+def _trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of SWEEP on ``sizes.sweep_cases``."""
+    lens_of = dict(sizes.cases)
+    return [
+        (
+            {"case": label, "N": n},
+            v,
+            lambda label=label, n=n, v=v: _case(
+                rng, label, lens_of[label], n, sizes, v, with_reference=False
+            ),
+        )
+        for n, labels in sizes.sweep_cases.items()
+        for label in labels
+        for v in SWEEP[n]
+    ]
+
+
 def main():
-    args = parse_args(__doc__, kernels=("triton", "mgpu"))
+    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu"))
+    ap.add_argument(
+        "--kernel",
+        choices=("triton", "mgpu"),
+        default="triton",
+        help="the tables of the Triton kernel (decode, decode_fp8) or the Mosaic GPU kernel "
+        "beside it (decode_mgpu)",
+    )
+    args = parse_args(ap)
+    sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
-    if args.sweep == "fp8":
-        sweep("decode_fp8", _fp8_trials(rng), args.out)
-        return
-    if args.sweep == "mgpu":
-        lens_of = dict(CASES)
-        trials = [
-            (
-                {"case": label, "N": n},
-                v,
-                lambda label=label, n=n, v=v: _mosaic_case(
-                    rng, label, lens_of[label], n, v, with_triton=not v
-                ),
-            )
-            for n, labels in MOSAIC_SWEEP_CASES
-            for label in labels
-            for v in MOSAIC_SWEEP
-        ]
-        sweep("decode_mgpu", trials, args.out)
-        return
-    if args.kernel == "mgpu":
-        copy = copy_bandwidth()
-        print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
-        _mosaic_table(rng, copy, args.out)
-        return
-    if args.sweep:
-        trials = [
-            (
-                {"case": label, "N": n},
-                v,
-                lambda label=label, lens=lens, n=n, v=v: _case(
-                    rng, label, lens, n, v, with_reference=False
-                ),
-            )
-            for n, cases in ((16, CASES[:3]), (128, CASES[2:3]))
-            for label, lens in cases
-            for v in SWEEP[n]
-        ]
-        sweep("decode", trials, args.out)
-        return
+    table = _mosaic_table if args.kernel == "mgpu" else tables
+    run(
+        args,
+        lambda: table(rng, sizes, args.out),
+        {
+            "all": lambda: sweep("decode", _trials(rng, sizes), args.out),
+            "fp8": lambda: sweep("decode_fp8", _fp8_trials(rng, sizes), args.out),
+            "mgpu": lambda: sweep("decode_mgpu", _mosaic_trials(rng, sizes), args.out),
+        },
+    )
+
+
+def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
+    """The bf16 table and the FP8 one beside it."""
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
     rows, fp8_rows = [], []
-    ragged = _ragged(rng)
+    ragged = _ragged(rng, sizes)
     # N = 8: a tensor-parallel shard (DeepSeek-V2-Lite's 16 heads over 2 GPUs), which the
     # kernel runs on 16 padded heads.
-    for n, cases in ((16, CASES + ragged), (128, CASES + ragged), (8, CASES)):
-        for label, lens in cases:
-            r = _case(rng, label, lens, n)
+    for n, ragged_and_fp8 in sizes.heads:
+        for label, lens in list(sizes.cases) + (ragged if ragged_and_fp8 else []):
+            r = _case(rng, label, lens, n, sizes)
             print(json.dumps(jsonable(r)), flush=True)
             cells = [
                 r["case"],
@@ -358,8 +455,8 @@ def main():
                 f"{r['rel_err']:.1e}",
             ]
             rows.append(row(cells, pallas=r["timing"], xla_reference=r["xla_timing"]))
-            if n in (16, 128):
-                q = _case(rng, label, lens, n, quantized=True)
+            if ragged_and_fp8:
+                q = _case(rng, label, lens, n, sizes, quantized=True)
                 print(json.dumps(jsonable(q)), flush=True)
                 cells = [
                     q["case"],
@@ -373,9 +470,10 @@ def main():
                     f"{q['rel_err']:.1e}",
                 ]
                 fp8_rows.append(row(cells, pallas_fp8=q["timing"], pallas_bf16=r["timing"]))
+    width = sizes.lkv + sizes.rope
     save(
         "decode",
-        "Paged MLA decode (Pallas), page 64, bf16",
+        f"Paged MLA decode (Pallas), page {sizes.page}, bf16",
         [
             "batch x context",
             "N",
@@ -393,18 +491,18 @@ def main():
             f"{copy.method}).",
             "us: median over 30 warm calls of the summed CUPTI kernel durations (split-KV "
             "kernel + combine), caches rotated so that no call finds its pages in L2.",
-            "GB/s counts 576 x 2 B per context token plus q and out; TFLOP/s counts "
-            "2 x N x context x (576 + 512).",
+            f"GB/s counts {width} x 2 B per context token plus q and out; TFLOP/s counts "
+            f"2 x N x context x ({width} + {sizes.lkv}).",
             "The XLA reference gathers every page into a contiguous copy first.",
             "N = 8 is a tensor-parallel shard (DeepSeek-V2-Lite's 16 heads over 2 GPUs); "
             "the kernel pads it to 16 heads, so it reads the same bytes as N = 16.",
         ],
         extra={"copy_bandwidth": copy.record()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
     save(
         "decode_fp8",
-        "Paged MLA decode (Pallas) over the FP8 cache, page 64, beside bf16",
+        f"Paged MLA decode (Pallas) over the FP8 cache, page {sizes.page}, beside bf16",
         [
             "batch x context",
             "N",
@@ -418,17 +516,19 @@ def main():
         ],
         fp8_rows,
         [
-            "FP8 cache (kernels/fp8.py, FlashMLA's layout): per token 512 e4m3 latent values, "
-            "4 float32 power-of-two scales (one per 128), 64 bf16 rope values: 656 B "
-            "(bf16: 1152 B); queries bf16, dots bf16 with float32 accumulation.",
+            f"FP8 cache (kernels/fp8.py, FlashMLA's layout): per token {sizes.lkv} e4m3 latent "
+            f"values, {fp8.num_groups(sizes.lkv)} float32 power-of-two scales (one per 128), "
+            f"{sizes.rope} bf16 rope values: {sizes.fp8_token_bytes} B (bf16: {2 * width} B); "
+            "queries bf16, dots bf16 with float32 accumulation.",
             "bf16 us: the bf16 table's row of the same run (same case, same seed stream; "
             "the FP8 inputs are a fresh random cache of the same distribution, quantized).",
-            "GB/s counts 656 B per context token plus q and out; the copy bandwidth is the "
+            f"GB/s counts {sizes.fp8_token_bytes} B per context token plus q and out; the copy "
+            "bandwidth is the "
             f"bf16 table's ({copy.gbs:.0f} GB/s).",
             "rel err: against the pure-jnp reference on the same FP8 cache (which dequantizes "
             "exactly in bf16).",
         ],
-        out_dir=args.out,
+        out_dir=out_dir,
     )
 
 

@@ -1,48 +1,78 @@
 """One MLA layer step end to end (projections, rope, cache write, attention, o_proj), with
 DeepSeek-V3 dimensions in bf16, on the Pallas kernels and on the pure-jnp references.
 
-    PYTHONPATH=. python scripts/bench_e2e.py [--out DIR]
+    PYTHONPATH=. python scripts/bench_e2e.py [--out DIR] [--smoke]
+
+``--smoke``: the same table with the tiny model's attention and tiny steps on the CPU,
+results under --out only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import parse_args, row, save, time_us
+from benchlib import DonatedCache, parse_args, parser, row, save, time_us
 from flax import nnx
 
 from mla_jax.cache.metadata import build_metadata
+from mla_jax.checkpoint.tiny import TINY
 from mla_jax.kernels import KernelPlan
 from mla_jax.model.attention import MLAAttention
-from mla_jax.model.config import preset
-
-PAGE = 64
-STEPS = [
-    ("decode 64 x ctx 4096", [4096] * 64, [1] * 64),
-    ("decode 128 x ctx 1024..8192", None, [1] * 128),
-    ("prefill 4 x 1024 new", [0] * 4, [1024] * 4),
-    ("mixed: 32 decodes (ctx 2048) + 512 new on ctx 8192", [2048] * 32 + [8192], [1] * 32 + [512]),
-]
+from mla_jax.model.config import MLAConfig, preset
 
 
-class _DonatedCache:
-    """A layer step that owns its cache: each call donates the cache and keeps the one the
-    step returns, as ``Engine.step`` does (a donated buffer cannot be passed again)."""
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the benchmark's steps, or a smoke run's."""
 
-    def __init__(self, step, cache):
-        self.step = step
-        self.cache = cache
+    model_name: str
+    model: MLAConfig
+    page: int
+    workspace: int
+    # (label, context of each request or None for random ones in ``random_context``, new
+    # tokens of each request): decodes first, as the engine lays a step out
+    steps: tuple[tuple[str, tuple[int, ...] | None, tuple[int, ...]], ...]
+    random_context: tuple[int, int]  # lowest, highest
 
-    def __call__(self, state, x, md):
-        y, self.cache = self.step(state, x, self.cache, md)
-        return y, self.cache
+
+FULL = Sizes(
+    model_name="DeepSeek-V3",
+    model=preset("deepseek-v3"),
+    page=64,
+    workspace=8192,
+    steps=(
+        ("decode 64 x ctx 4096", (4096,) * 64, (1,) * 64),
+        ("decode 128 x ctx 1024..8192", None, (1,) * 128),
+        ("prefill 4 x 1024 new", (0,) * 4, (1024,) * 4),
+        (
+            "mixed: 32 decodes (ctx 2048) + 512 new on ctx 8192",
+            (2048,) * 32 + (8192,),
+            (1,) * 32 + (512,),
+        ),
+    ),
+    random_context=(1024, 8192),
+)
+SMOKE = Sizes(
+    model_name="the tiny model's",
+    model=TINY.mla,
+    page=16,
+    workspace=32,
+    steps=(
+        ("decode 4 x ctx 16..64", None, (1,) * 4),
+        ("mixed: 2 decodes (ctx 20) + 8 new on ctx 40", (20, 20, 40), (1, 1, 8)),
+    ),
+    random_context=(16, 64),
+)
 
 
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(parser(__doc__))
+    sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
-    cfg = preset("deepseek-v3")
+    cfg = sizes.model
     attn = MLAAttention(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(attn)
     plan = KernelPlan.for_device(cfg.num_heads)
@@ -56,10 +86,11 @@ def main():
 
     steps = {impl: step(impl) for impl in ("pallas", "reference")}
     rows = []
-    for label, ctx, new in STEPS:
+    for label, ctx, new in sizes.steps:
         new = np.asarray(new)
-        ctx = np.asarray(ctx) if ctx is not None else rng.integers(1024, 8193, len(new))
-        need = -(-(ctx + new) // PAGE)
+        low, high = sizes.random_context
+        ctx = np.asarray(ctx) if ctx is not None else rng.integers(low, high + 1, len(new))
+        need = -(-(ctx + new) // sizes.page)
         num_blocks = int(need.sum())
         table = np.zeros((len(new), int(need.max())), np.int32)
         table[np.arange(table.shape[1])[None, :] < need[:, None]] = rng.permutation(num_blocks)
@@ -67,19 +98,19 @@ def main():
             ctx,
             new,
             table,
-            block_size=PAGE,
+            block_size=sizes.page,
             num_blocks=num_blocks,
-            workspace_size=8192,
+            workspace_size=sizes.workspace,
             kernel_plan=plan,
         )
         rows_real = md.token_rows()
         key = jax.random.key(int(rng.integers(2**31)))
         k1, k2 = jax.random.split(key)
         x = jax.random.normal(k1, (md.positions.shape[0], cfg.hidden_size), jnp.bfloat16)
-        cache = jax.random.normal(k2, (num_blocks, PAGE, cfg.cache_width), jnp.bfloat16)
+        cache = jax.random.normal(k2, (num_blocks, sizes.page, cfg.cache_width), jnp.bfloat16)
         md = jax.device_put(md)
         # Each impl steps on its own copy of the cache (the donated one is consumed).
-        runs = {impl: _DonatedCache(f, cache.copy()) for impl, f in steps.items()}
+        runs = {impl: DonatedCache(f, cache.copy()) for impl, f in steps.items()}
         timings = {impl: time_us(run, [(state, x, md)], reps=10) for impl, run in runs.items()}
         y_p, _ = runs["pallas"](state, x, md)
         y_r, _ = runs["reference"](state, x, md)
@@ -99,12 +130,14 @@ def main():
         rows.append(row(cells, **timings))
     save(
         "e2e_layer",
-        "One MLA layer step (DeepSeek-V3 dims, bf16, page 64): Pallas vs reference kernels",
+        f"One MLA layer step ({sizes.model_name} dims, bf16, page {sizes.page}): Pallas vs "
+        "reference kernels",
         ["step", "new tokens", "cached tokens", "Pallas us", "reference us", "speedup", "rel diff"],
         rows,
         [
             "The whole MLAAttention call under jit: q/kv projections, RMSNorms, rope, cache "
-            "write, absorbed decode and chunked prefill (workspace 8192), o_proj; the cache "
+            f"write, absorbed decode and chunked prefill (workspace {sizes.workspace}), o_proj; "
+            "the cache "
             "donated to the step and replaced by the one it returns, as the engine does.",
             "rel diff: relative L2 difference of the two outputs over the real tokens (bf16).",
         ],

@@ -2,7 +2,7 @@
 2 shared, hidden 2048, expert width 1408) and DeepSeek-V3's (256 experts, top 8 within 4 of 8
 groups, 1 shared, hidden 7168, expert width 2048), random weights.
 
-    PYTHONPATH=. python scripts/bench_moe.py [--out DIR] [--sweep]
+    PYTHONPATH=. python scripts/bench_moe.py [--out DIR] [--sweep] [--smoke]
 
 Decode (64 tokens): the layer's time against the memory roofline of the weights it must read
 (the experts the batch chose, the shared experts and the router) at the copy bandwidth
@@ -11,18 +11,31 @@ matmuls, weighted combine) against a dense bf16 matmul of the same FLOPs measure
 run. Per row also the router alone and the whole layer. Before timing, the Pallas grouped
 matmul is checked against the reference (``jax.lax.ragged_dot``) with each of its default
 launch configurations. ``--sweep`` times launch variants of the grouped matmul instead
-(written only under --out).
+(written only under --out). ``--smoke``: the same tables and sweep with V3's layer shrunk
+(hidden 32, 16 experts of width 24; its routing unchanged) and few tokens on the CPU,
+results under --out only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth, jsonable, parse_args, row, save, sweep, time_us
+from benchlib import (
+    copy_bandwidth,
+    jsonable,
+    parse_args,
+    parser,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 from flax import nnx
 
 from mla_jax import kernels
@@ -32,9 +45,36 @@ from mla_jax.model.moe import MoE, route, routed_experts
 
 V2_LITE = moe_preset("deepseek-v2-lite")
 V3 = moe_preset("deepseek-v3")
-LAYERS = {"DeepSeek-V2-Lite": V2_LITE, "DeepSeek-V3": V3}
-DECODE_TOKENS, PREFILL_TOKENS = 64, 8192
 BF16 = 2  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the benchmark's layers and token counts, or a smoke run's."""
+
+    layers: dict  # name -> MoEConfig
+    decode_tokens: int
+    prefill_tokens: int
+    check_experts: int  # experts the kernel check runs on
+
+
+def _shrunk(cfg: MoEConfig) -> MoEConfig:
+    """``cfg``'s routing (scoring, top-k, groups) on a layer small enough to interpret."""
+    return dataclasses.replace(cfg, hidden_size=32, n_routed_experts=16, moe_intermediate_size=24)
+
+
+FULL = Sizes(
+    layers={"DeepSeek-V2-Lite": V2_LITE, "DeepSeek-V3": V3},
+    decode_tokens=64,
+    prefill_tokens=8192,
+    check_experts=16,
+)
+SMOKE = Sizes(
+    layers={"DeepSeek-V3": _shrunk(V3)},
+    decode_tokens=8,
+    prefill_tokens=64,
+    check_experts=4,
+)
 
 
 class Layer:
@@ -105,7 +145,7 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
     errors = {}
     for per_expert in (6, 48, 160):
         rows = per_expert * num_experts
-        config = gm.default_config(rows, num_experts)
+        config = gm.GroupedMatmulConfig.for_shape(rows, num_experts)
         sizes = np.random.default_rng(per_expert).multinomial(
             rows, np.ones(num_experts) / num_experts
         )
@@ -115,12 +155,12 @@ def check_kernel(layer: Layer, num_experts: int = 16) -> dict:
         rhs = layer.module.experts.gate_up_proj[:num_experts]
         group_sizes = jnp.asarray(sizes, jnp.int32)
         got = gm.grouped_matmul(lhs, rhs, group_sizes)
-        want = kernels.reference.grouped_matmul(lhs, rhs, group_sizes)
+        want = kernels.REFERENCE.grouped_matmul(lhs, rhs, group_sizes)
         errors[f"block_m={config.block_m}"] = _rel_err(got, want)
     return errors
 
 
-def decode_case(layer: Layer, copy_gbs: float, tokens: int = DECODE_TOKENS) -> dict:
+def decode_case(layer: Layer, copy_gbs: float, tokens: int) -> dict:
     cfg = layer.cfg
     x = _tokens(cfg, tokens, 1)
     expert_ids, weights = layer.router_fn()(*layer.router_args(x))
@@ -163,7 +203,7 @@ def dense_matmul(layer: Layer, tokens: int) -> tuple[float, object]:
     return layer.routed_flops(tokens) / t.us / 1e6, t
 
 
-def prefill_case(layer: Layer, tokens: int = PREFILL_TOKENS, grouped_matmul=None) -> dict:
+def prefill_case(layer: Layer, tokens: int, grouped_matmul=None) -> dict:
     cfg = layer.cfg
     x = _tokens(cfg, tokens, 4)
     expert_ids, weights = layer.router_fn()(*layer.router_args(x))
@@ -196,7 +236,7 @@ def prefill_case(layer: Layer, tokens: int = PREFILL_TOKENS, grouped_matmul=None
     return result
 
 
-# Launch variants around gm.default_config: decode (16-row tiles) and prefill (128-row).
+# Launch variants around GroupedMatmulConfig.for_shape: decode (16-row tiles) and prefill (128-row).
 SWEEP = {
     "decode": [
         gm.GroupedMatmulConfig(16, 128, 128, 4, 4),
@@ -215,16 +255,17 @@ SWEEP = {
 }
 
 
-def _sweep(out_dir):
-    layer = Layer(V2_LITE)
+def _sweep(out_dir, sizes: Sizes):
+    """SWEEP's launch variants on the routed experts of the first layer of ``sizes``."""
+    layer = Layer(next(iter(sizes.layers.values())))
 
-    def run(kind, config):
+    def trial(kind, config):
         gmm = functools.partial(kernels.PALLAS.grouped_matmul, config=config)
-        tokens = DECODE_TOKENS if kind == "decode" else PREFILL_TOKENS
+        tokens = sizes.decode_tokens if kind == "decode" else sizes.prefill_tokens
         return prefill_case(layer, tokens, grouped_matmul=gmm)
 
     trials = [
-        ({"case": kind}, config._asdict(), functools.partial(run, kind, config))
+        ({"case": kind}, dataclasses.asdict(config), functools.partial(trial, kind, config))
         for kind, configs in SWEEP.items()
         for config in configs
     ]
@@ -232,18 +273,21 @@ def _sweep(out_dir):
 
 
 def main():
-    args = parse_args(__doc__)
-    if args.sweep:
-        _sweep(args.out)
-        return
+    args = parse_args(parser(__doc__, sweeps=("all",)))
+    sizes = SMOKE if args.smoke else FULL
+    run(args, lambda: tables(sizes, args.out), {"all": lambda: _sweep(args.out, sizes)})
+
+
+def tables(sizes: Sizes, out_dir: str | None) -> None:
+    """The decode table and the prefill one."""
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
     decode_rows, prefill_rows, checks = [], [], {}
-    for name, cfg in LAYERS.items():
+    for name, cfg in sizes.layers.items():
         layer = Layer(cfg)
-        checks[name] = check_kernel(layer)
+        checks[name] = check_kernel(layer, sizes.check_experts)
         print(name, "Pallas vs reference:", checks[name], flush=True)
-        r = decode_case(layer, copy.gbs)
+        r = decode_case(layer, copy.gbs, sizes.decode_tokens)
         print(json.dumps(jsonable(r)), flush=True)
         decode_rows.append(
             row(
@@ -265,7 +309,7 @@ def main():
                 router=r["router_timing"],
             )
         )
-        r = prefill_case(layer)
+        r = prefill_case(layer, sizes.prefill_tokens)
         print(json.dumps(jsonable(r)), flush=True)
         prefill_rows.append(
             row(
@@ -296,7 +340,7 @@ def main():
     ]
     save(
         "moe_decode",
-        f"MoE layer at decode ({DECODE_TOKENS} tokens) vs the memory roofline, bf16",
+        f"MoE layer at decode ({sizes.decode_tokens} tokens) vs the memory roofline, bf16",
         [
             "layer",
             "tokens",
@@ -320,11 +364,11 @@ def main():
             *common,
         ],
         extra={"copy_bandwidth": copy.record()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
     save(
         "moe_prefill",
-        f"MoE layer at prefill ({PREFILL_TOKENS} tokens) vs a dense matmul, bf16",
+        f"MoE layer at prefill ({sizes.prefill_tokens} tokens) vs a dense matmul, bf16",
         [
             "layer",
             "tokens",
@@ -344,7 +388,7 @@ def main():
             "the same run.",
             *common,
         ],
-        out_dir=args.out,
+        out_dir=out_dir,
     )
 
 

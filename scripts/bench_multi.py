@@ -10,6 +10,9 @@ with data parallelism a batch's requests are dealt to the DP ranks in turn (batc
 32 a rank, and each rank's decode ladder holds that size).
 
     PYTHONPATH=. python3 scripts/bench_multi.py --modes tp1,tp2,dp2 --quick --out $OUT
+
+``--smoke``: the tiny model on 2 host devices (1 device, TP 2 and DP 2, reference kernels,
+a few short requests; ``SMOKE_FLAGS``), results under --out only.
 """
 
 from __future__ import annotations
@@ -27,17 +30,16 @@ import numpy as np
 from bench_serve import (
     MODELS,
     _decode_requests,
-    _engine_config,
     _run_requests,
     _weight_bytes,
     profile,
 )
-from benchlib import _gpu_kernel_events, machine, save
+from benchlib import _gpu_kernel_events, machine, parse_args, parser, save
 from flax import nnx
 
 from mla_jax.checkpoint.tiny import TINY
 from mla_jax.engine.batch import scratch_blocks
-from mla_jax.engine.engine import Engine, Request
+from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.deepseek import DeepseekModel
 
 # Kernels of a collective: NCCL's own, whatever XLA names them.
@@ -53,6 +55,18 @@ COLUMNS = [
     "scaling efficiency",
     "weights + cache GB per GPU",
 ]
+# The defaults of a smoke run (flags given still win).
+SMOKE_FLAGS = dict(
+    model="tiny",
+    modes="tp1,tp2,dp2",
+    batches="4",
+    context=16,
+    prefill="2x24",
+    decode_steps=5,
+    profiled_steps=2,
+    impl="reference",
+    block_size=16,
+)
 
 
 class Mode(NamedTuple):
@@ -197,7 +211,7 @@ def _cells(mode: Mode, measured: dict, base: dict | None, gb: float | None) -> l
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--model", choices=[*sorted(MODELS), "tiny"], default="v2-lite")
     ap.add_argument("--layers", type=int, help="override the model's depth")
     ap.add_argument(
@@ -216,13 +230,15 @@ def main(argv: list[str] | None = None) -> str:
     )
     ap.add_argument("--impl", choices=["pallas", "reference"], default="pallas")
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--out", help="a copy of the JSON goes here")
     ap.add_argument(
         "--no-publish",
         action="store_true",
         help="write the JSON only under --out (a trial run: benchmarks/ and the page untouched)",
     )
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
+    if args.smoke:
+        ap.set_defaults(**SMOKE_FLAGS)
+        args = ap.parse_args(argv)
     if args.no_publish and not args.out:
         ap.error("--no-publish needs --out")
     model_cfg = TINY if args.model == "tiny" else MODELS[args.model]
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> str:
             -(-max(fits, default=1) // ranks) * blocks_per_request,
             -(-prefill[1] // args.block_size) * -(-8 // ranks),
         )
-        cfg = _engine_config(
+        cfg = EngineConfig(
             **settings,
             num_blocks=(per_rank + scratch_blocks(args.block_size, ranks)) * ranks,
             tensor_parallel=mode.tensor_parallel,

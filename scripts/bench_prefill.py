@@ -1,71 +1,142 @@
 """Prefill: the Pallas ragged flash attention against cuDNN and XLA, the chunked-context path
 at two workspace sizes, and the LSE merge, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_prefill.py [--out DIR] [--sweep]
+    PYTHONPATH=. python scripts/bench_prefill.py [--out DIR] [--sweep] [--smoke]
 
 bf16, q/k 192 = 128 + 64, v 128 (cuDNN needs v padded to 192). TFLOP/s counts the useful
 work: 2 x causal pairs x N x (192 + 128). Times are median device microseconds (warm,
-CUPTI kernel time).
+CUPTI kernel time). ``--smoke``: the same tables at tiny shapes on the CPU (XLA in cuDNN's
+place), results under --out only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth, parse_args, row, save, sweep, time_us
+from benchlib import (
+    DonatedCache,
+    copy_bandwidth,
+    parse_args,
+    parser,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 from flax import nnx
 
 from mla_jax.cache.metadata import build_metadata
-from mla_jax.kernels import PALLAS, KernelPlan, merge, prefill, reference
+from mla_jax.checkpoint.tiny import TINY
+from mla_jax.kernels import KernelPlan, merge, prefill
 from mla_jax.model.attention import MLAAttention
-from mla_jax.model.config import preset
-
-DQK, DV = 192, 128
-SCALE = DQK**-0.5
+from mla_jax.model.config import MLAConfig, preset
 
 
-def _qkv(key, t, n):
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The shapes a run measures: the benchmark's, or a smoke run's."""
+
+    qk_dim: int  # q/k head width (nope + rope)
+    v_dim: int
+    heads: tuple[int, ...]
+    single: tuple[int, ...]  # one-sequence lengths of the causal table
+    ragged: tuple[int, int, int, int]  # sequences, shortest, longest, total tokens
+    baseline: str  # dot_product_attention's implementation beside the kernel
+    context_model_name: str
+    context_model: MLAConfig  # the chunked-context table's attention
+    context: int  # cached tokens
+    new: int  # prefill tokens on them
+    block_size: int
+    workspaces: tuple[int, ...]  # the last one holds the whole context: unchunked
+    merge: tuple[int, int, int]  # tokens, heads, dim
+    sweep_tokens: int
+
+    @property
+    def scale(self) -> float:
+        return self.qk_dim**-0.5
+
+
+FULL = Sizes(
+    qk_dim=192,
+    v_dim=128,
+    heads=(16, 128),
+    single=(1024, 4096, 16384),
+    ragged=(16, 256, 1792, 16384),
+    baseline="cudnn",
+    context_model_name="DeepSeek-V3",
+    context_model=preset("deepseek-v3"),
+    context=32768,
+    new=2048,
+    block_size=64,
+    workspaces=(8192, 65536),
+    merge=(8192, 128, 128),
+    sweep_tokens=4096,
+)
+SMOKE = Sizes(
+    qk_dim=24,
+    v_dim=16,
+    heads=(4,),
+    single=(),
+    ragged=(3, 8, 24, 72),
+    baseline="xla",
+    context_model_name="the tiny model's",
+    context_model=TINY.mla,
+    context=96,
+    new=16,
+    block_size=16,
+    workspaces=(32, 128),
+    merge=(64, 4, 16),
+    sweep_tokens=40,
+)
+BASELINE_NAMES = {"cudnn": "cuDNN", "xla": "XLA"}
+
+
+def _qkv(key, t, n, sizes: Sizes):
     kq, kk, kv = jax.random.split(key, 3)
     return (
-        jax.random.normal(kq, (t, n, DQK), jnp.bfloat16),
-        jax.random.normal(kk, (t, n, DQK), jnp.bfloat16),
-        jax.random.normal(kv, (t, n, DV), jnp.bfloat16),
+        jax.random.normal(kq, (t, n, sizes.qk_dim), jnp.bfloat16),
+        jax.random.normal(kk, (t, n, sizes.qk_dim), jnp.bfloat16),
+        jax.random.normal(kv, (t, n, sizes.v_dim), jnp.bfloat16),
     )
 
 
-def _pallas(lens, n, variant=None):
-    variant = dict(variant or {})
-    block_q = variant.pop("block_q", prefill.DEFAULT_BLOCK_Q)
+def _pallas(lens, n, sizes: Sizes, variant=None):
+    config = prefill.PrefillConfig(**(variant or {}))
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    schedule = jax.device_put(prefill.plan(cu, int(cu[-1]), block_q))
+    schedule = jax.device_put(prefill.schedule_query_tiles(cu, int(cu[-1]), config.block_q))
     cu = jnp.asarray(cu)
     # Offsets and schedule are arguments (as they are in the model), not baked-in constants.
     f = jax.jit(
         lambda q, k, v, cu, schedule: prefill.flash_prefill(
-            q, k, v, cu, cu, scale=SCALE, causal=True, schedule=schedule, **variant
+            q, k, v, cu, cu, scale=sizes.scale, causal=True, schedule=schedule, config=config
         )
     )
     return lambda q, k, v: f(q, k, v, cu, schedule)
 
 
 def _padded(lens, q, k, v):
-    """cuDNN / XLA take a padded batch ``[S, max_len, N, D]`` plus per-sequence lengths."""
+    """cuDNN / XLA take a padded batch ``[S, max_len, N, D]`` plus per-sequence lengths (and
+    v as wide as q and k, as cuDNN needs)."""
     s, m = len(lens), int(max(lens))
     idx = np.zeros((s, m), np.int32)
     for i, (start, n) in enumerate(zip(np.cumsum([0, *lens[:-1]]), lens, strict=True)):
         idx[i, :n] = start + np.arange(n)
-    pad = jnp.pad(v, ((0, 0), (0, 0), (0, DQK - DV)))
+    pad = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
     return q[idx], k[idx], pad[idx], jnp.asarray(lens, jnp.int32)
 
 
-def _dpa(implementation):
+def _dpa(implementation, sizes: Sizes):
     def f(q, k, v, lens):
         return jax.nn.dot_product_attention(
             q,
             k,
             v,
-            scale=SCALE,
+            scale=sizes.scale,
             is_causal=True,
             query_seq_lengths=lens,
             key_value_seq_lengths=lens,
@@ -75,30 +146,30 @@ def _dpa(implementation):
     return jax.jit(f)
 
 
-def causal_rows(rng):
+def causal_rows(rng, sizes: Sizes):
     rows = []
-    for n in (16, 128):
-        ragged = rng.integers(256, 1793, 16)
-        ragged[-1] += 16384 - ragged.sum()
-        for label, lens in [
-            ("1 x 1024", [1024]),
-            ("1 x 4096", [4096]),
-            ("1 x 16384", [16384]),
-            (f"16 ragged, {min(ragged)}..{max(ragged)}", list(ragged)),
-        ]:
+    baseline = _dpa(sizes.baseline, sizes)
+    for n in sizes.heads:
+        count, shortest, longest, total = sizes.ragged
+        ragged = rng.integers(shortest, longest + 1, count)
+        ragged[-1] += total - ragged.sum()
+        cases = [(f"1 x {length}", [length]) for length in sizes.single]
+        cases.append((f"{count} ragged, {min(ragged)}..{max(ragged)}", list(ragged)))
+        for label, lens in cases:
             lens = np.asarray(lens)
-            q, k, v = _qkv(jax.random.key(int(rng.integers(2**31))), int(lens.sum()), n)
-            flops = 2 * float((lens * (lens + 1) // 2).sum()) * n * (DQK + DV)
-            timings = {"pallas": time_us(_pallas(lens, n), [(q, k, v)])}
+            q, k, v = _qkv(jax.random.key(int(rng.integers(2**31))), int(lens.sum()), n, sizes)
+            flops = 2 * float((lens * (lens + 1) // 2).sum()) * n * (sizes.qk_dim + sizes.v_dim)
+            kernel = _pallas(lens, n, sizes)
+            timings = {"pallas": time_us(kernel, [(q, k, v)])}
             padded = _padded(lens, q, k, v)
-            timings["cudnn_padded"] = time_us(_dpa("cudnn"), [padded], reps=10)
+            timings[f"{sizes.baseline}_padded"] = time_us(baseline, [padded], reps=10)
             scores = len(lens) * int(lens.max()) ** 2 * n * 4
-            if scores < 8 * 2**30:
-                timings["xla_padded"] = time_us(_dpa("xla"), [padded], reps=5)
-            us, cudnn_us = timings["pallas"].us, timings["cudnn_padded"].us
+            if sizes.baseline != "xla" and scores < 8 * 2**30:
+                timings["xla_padded"] = time_us(_dpa("xla", sizes), [padded], reps=5)
+            us, baseline_us = timings["pallas"].us, timings[f"{sizes.baseline}_padded"].us
             xla = timings.get("xla_padded")
-            out, _ = _pallas(lens, n)(q, k, v)
-            ref = _dpa("cudnn")(*padded)[..., :DV]
+            out, _ = kernel(q, k, v)
+            ref = baseline(*padded)[..., : sizes.v_dim]
             want = jnp.concatenate([ref[i, :m] for i, m in enumerate(lens)])
             err = float(
                 jnp.linalg.norm((out - want).astype(jnp.float32))
@@ -109,10 +180,10 @@ def causal_rows(rng):
                 n,
                 round(us, 1),
                 round(flops / us / 1e6, 1),
-                round(cudnn_us, 1),
-                round(flops / cudnn_us / 1e6, 1),
+                round(baseline_us, 1),
+                round(flops / baseline_us / 1e6, 1),
                 "-" if xla is None else round(xla.us, 1),
-                f"{cudnn_us / us:.2f}x",
+                f"{baseline_us / us:.2f}x",
                 f"{err:.1e}",
             ]
             print(cells, flush=True)
@@ -120,42 +191,42 @@ def causal_rows(rng):
     return rows
 
 
-def context_rows(rng):
-    """2048 new tokens on 32768 cached ones, N=128, through the module's prefill path."""
-    cfg = preset("deepseek-v3")
+def context_rows(rng, sizes: Sizes):
+    """``sizes.new`` new tokens on ``sizes.context`` cached ones (one request), through the
+    public ``MLAAttention`` call with the Pallas kernels, at each workspace size."""
+    cfg = sizes.context_model
     attn = MLAAttention(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    ctx, new, bs = 32768, 2048, 64
-    num_blocks = (ctx + new) // bs
-    key = jax.random.key(int(rng.integers(2**31)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    cache = jax.random.normal(k1, (num_blocks, bs, cfg.cache_width), jnp.bfloat16)
-    q = jax.random.normal(k2, (new, cfg.num_heads, cfg.qk_head_dim), jnp.bfloat16)
-    lat = jax.random.normal(k3, (new, cfg.cache_width), jnp.bfloat16)
-    table = rng.permutation(num_blocks)[None].astype(np.int32)
     graphdef, state = nnx.split(attn)
+    ctx, new, bs = sizes.context, sizes.new, sizes.block_size
+    num_blocks = -(-(ctx + new) // bs)
+    key = jax.random.key(int(rng.integers(2**31)))
+    k1, k2 = jax.random.split(key)
+    cache = jax.random.normal(k1, (num_blocks, bs, cfg.cache_width), jnp.bfloat16)
+    table = rng.permutation(num_blocks)[None].astype(np.int32)
+
+    # The cache is donated, as the engine donates it: the step writes the new tokens' rows
+    # in place.
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(state, x, cache, metadata):
+        return nnx.merge(graphdef, state)(x, cache, metadata, impl="pallas")
+
     rows = []
-    for workspace in (8192, 65536):
-        md = build_metadata(
+    for workspace in sizes.workspaces:
+        metadata = build_metadata(
             np.array([ctx]),
             np.array([new]),
             table,
             block_size=bs,
             num_blocks=num_blocks,
             workspace_size=workspace,
-            kernel_plan=KernelPlan(cfg.num_heads),
+            kernel_plan=KernelPlan.for_device(cfg.num_heads),
         )
-        pmd = jax.device_put(md.prefill)
-
-        @jax.jit
-        def run(state, q, lat, cache, pmd):
-            a = nnx.merge(graphdef, state)
-            return a._prefill(
-                PALLAS, q, lat[:, : cfg.kv_lora_rank], lat[:, cfg.kv_lora_rank :], cache, pmd
-            )
-
-        timing = time_us(run, [(state, q, lat, cache, pmd)], reps=10)
-        temp = run.lower(state, q, lat, cache, pmd).compile().memory_analysis().temp_size_in_bytes
-        chunks = md.prefill.chunks.starts.shape[0]
+        chunks = metadata.prefill.chunks.starts.shape[0]
+        x = jax.random.normal(k2, (metadata.num_tokens, cfg.hidden_size), jnp.bfloat16)
+        metadata = jax.device_put(metadata)
+        compiled = step.lower(state, x, cache, metadata).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        timing = time_us(DonatedCache(compiled, cache.copy()), [(state, x, metadata)], reps=10)
         cells = [f"workspace {workspace}", chunks, round(timing.us, 1), round(temp / 2**30, 2)]
         print(cells, flush=True)
         rows.append(row(cells, pallas=timing))
@@ -165,8 +236,8 @@ def context_rows(rng):
     return rows
 
 
-def merge_row(copy):
-    t, n, d = 8192, 128, 128
+def merge_row(copy, sizes: Sizes):
+    t, n, d = sizes.merge
     ks = jax.random.split(jax.random.key(0), 4)
     args = (
         jax.random.normal(ks[0], (t, n, d), jnp.bfloat16),
@@ -176,10 +247,10 @@ def merge_row(copy):
     )
     nbytes = 3 * t * n * d * 2 + 3 * t * n * 4
     pallas = time_us(jax.jit(merge.merge_attn_states), [args])
-    xla = time_us(jax.jit(reference.merge_attn_states), [args])
+    xla = time_us(jax.jit(merge.reference.merge_attn_states), [args])
     gbs = nbytes / pallas.us / 1e3
     cells = [
-        "8192 x 128 x 128",
+        f"{t} x {n} x {d}",
         round(pallas.us, 1),
         round(gbs),
         f"{100 * gbs / copy.gbs:.0f}%",
@@ -188,7 +259,7 @@ def merge_row(copy):
     return [row(cells, pallas=pallas, xla_reference=xla)]
 
 
-# The variants behind the kernels.prefill defaults.
+# The variants behind the PrefillConfig defaults.
 SWEEP = [
     dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
     dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
@@ -198,76 +269,93 @@ SWEEP = [
 ]
 
 
-def _sweep_trial(n, var):
-    lens = np.array([4096])
-    q, k, v = _qkv(jax.random.key(n), 4096, n)
-    timing = time_us(_pallas(lens, n, var), [(q, k, v)], reps=10)
-    tflops = 2 * 4096 * 4097 / 2 * n * (DQK + DV) / timing.us / 1e6
+def _sweep_trial(n, variant, sizes: Sizes):
+    t = sizes.sweep_tokens
+    q, k, v = _qkv(jax.random.key(n), t, n, sizes)
+    timing = time_us(_pallas(np.array([t]), n, sizes, variant), [(q, k, v)], reps=10)
+    tflops = 2 * t * (t + 1) / 2 * n * (sizes.qk_dim + sizes.v_dim) / timing.us / 1e6
     return {"us": timing.us, "TFLOP/s": tflops, "timing": timing}
 
 
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(parser(__doc__, sweeps=("all",)))
+    sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
-    if args.sweep:
-        trials = [
-            ({"N": n}, v, lambda n=n, v=v: _sweep_trial(n, v)) for n in (16, 128) for v in SWEEP
-        ]
-        sweep("prefill", trials, args.out)
-        return
+    trials = [
+        ({"N": n}, v, lambda n=n, v=v: _sweep_trial(n, v, sizes))
+        for n in sizes.heads
+        for v in SWEEP
+    ]
+    run(
+        args,
+        lambda: tables(rng, sizes, args.out),
+        {"all": lambda: sweep("prefill", trials, args.out)},
+    )
+
+
+def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
+    """The causal table, the chunked-context one and the merge's."""
     copy = copy_bandwidth()
+    baseline = BASELINE_NAMES[sizes.baseline]
+    heads = sizes.context_model.num_heads
     save(
         "prefill_causal",
-        "Causal prefill (Pallas ragged flash attention), bf16, q/k 192, v 128",
+        "Causal prefill (Pallas ragged flash attention), bf16, "
+        f"q/k {sizes.qk_dim}, v {sizes.v_dim}",
         [
             "sequences",
             "N",
             "us",
             "TFLOP/s",
-            "cuDNN us",
-            "cuDNN TFLOP/s",
+            f"{baseline} us",
+            f"{baseline} TFLOP/s",
             "XLA us",
-            "cuDNN / ours",
-            "rel err vs cuDNN",
+            f"{baseline} / ours",
+            f"rel err vs {baseline}",
         ],
-        causal_rows(rng),
+        causal_rows(rng, sizes),
         [
-            "cuDNN and XLA ran on a padded batch: jax.nn.dot_product_attention over the "
-            "sequences padded to the longest one, with per-sequence lengths, v padded to 192; "
-            "the Pallas kernel runs them packed. On the ragged rows cuDNN / ours compares "
-            "against cuDNN on that padded batch. XLA is skipped ('-') where its score matrix "
-            "exceeds 8 GiB.",
-            "TFLOP/s over the useful FLOPs: 2 x causal pairs x N x (192 + 128).",
+            f"{baseline} and XLA ran on a padded batch: jax.nn.dot_product_attention over the "
+            "sequences padded to the longest one, with per-sequence lengths, v padded to "
+            f"{sizes.qk_dim}; the Pallas kernel runs them packed. On the ragged rows "
+            f"{baseline} / ours compares against {baseline} on that padded batch. XLA is "
+            "skipped ('-') where its score matrix exceeds 8 GiB.",
+            "TFLOP/s over the useful FLOPs: 2 x causal pairs x N x "
+            f"({sizes.qk_dim} + {sizes.v_dim}).",
         ],
-        out_dir=args.out,
+        out_dir=out_dir,
     )
     save(
         "prefill_context",
-        "Chunked-context prefill: 2048 new tokens on a 32768-token cached context, N=128",
+        f"Chunked-context prefill: {sizes.new} new tokens on a {sizes.context}-token cached "
+        f"context, N={heads}",
         ["workspace (tokens)", "chunks", "us", "temp memory GiB", "vs unchunked"],
-        context_rows(rng),
+        context_rows(rng, sizes),
         [
-            "Through MLAAttention._prefill (DeepSeek-V3 dims, bf16, page 64): gather each chunk "
-            "from the paged cache, up-project with W_UK/W_UV, non-causal flash attention, LSE "
-            "merge; plus the causal attention of the new tokens.",
-            "A 65536-token workspace holds the whole context: one chunk, i.e. unchunked.",
+            f"The whole MLAAttention call under jit ({sizes.context_model_name} dims, bf16, "
+            f"page {sizes.block_size}, Pallas kernels): projections, rope and the cache write "
+            "of the new tokens, their causal attention, then each context chunk gathered from "
+            "the paged cache, up-projected with W_UK/W_UV, attended non-causally and "
+            "LSE-merged, and o_proj; the cache donated to the step, as the engine does.",
+            f"A {sizes.workspaces[-1]}-token workspace holds the whole context: one chunk, "
+            "i.e. unchunked.",
             "temp memory: XLA's temporary allocation for the compiled step "
             "(memory_analysis), which scales with the workspace, not the context.",
         ],
-        out_dir=args.out,
+        out_dir=out_dir,
     )
     save(
         "merge",
         "merge_attn_states (Pallas), bf16 out, float32 lse",
         ["tokens x heads x dim", "us", "GB/s", "of copy BW", "XLA (reference) us"],
-        merge_row(copy),
+        merge_row(copy, sizes),
         [
             f"Copy bandwidth measured in the same run: {copy.gbs:.0f} GB/s (read + write; "
             f"{copy.method}).",
             "Bytes: two outputs and two lses read, one output and lse written.",
         ],
         extra={"copy_bandwidth": copy.record()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
 
 

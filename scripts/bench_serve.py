@@ -12,11 +12,27 @@ A second table gives compile seconds per program against depth (2, 27, 61 layers
 Decode rows start from requests whose context is already in the cache (zero rows, written
 by no prefill: the decode step reads them all the same) so that they time decode alone.
 
-    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR]
+    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR] [--smoke]
 
 ``--kv-cache-dtypes auto,fp8`` instead compares cache layouts (``serve_kv_cache_<model>``):
 the decode rows (default 256 x 4096) on an engine per cache dtype, and how many concurrent
 4096-token requests each layout fits in the memory of the first one's cache.
+
+``--prefix`` instead compares the engine with and without prefix caching
+(``serve_prefix_<model>``) on a shared-prefix workload (64 requests arriving together, a
+2048-token prefix shared, 128 tokens of their own, 64 new tokens) and a multi-turn one (16
+conversations of 4 turns, each turn's prompt the conversation so far): time to first token
+p50/p99, prefill tokens computed, hit rate, tokens/s. ``--model tiny --impl reference`` runs
+it small on a CPU (a check of the script; ``--no-publish --out DIR`` keeps it out of
+BENCHMARKS.md):
+
+    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite --prefix
+
+``--smoke``: the serving tables for the tiny model (the built-in tiny checkpoint's shape)
+with a few short requests on the CPU, on the reference kernels (bench_decode,
+bench_prefill, bench_e2e and bench_moe run the Pallas ones interpreted), then the
+cache-layout comparison of auto and fp8; results under --out only. (``--prefix`` runs on
+the tiny model in ``tests/scripts/test_bench_serve.py``.)
 """
 
 from __future__ import annotations
@@ -29,20 +45,22 @@ import json
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_moe import V2_LITE as V2_LITE_MOE
-from benchlib import _gpu_kernel_events, copy_bandwidth, machine, save
+from benchlib import _gpu_kernel_events, copy_bandwidth, machine, parse_args, parser, save
 from flax import nnx
 
 from mla_jax.cache.latent_cache import cache_dtype
+from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine import compilation
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.config import ModelConfig, preset
 from mla_jax.model.deepseek import DeepseekModel
 
-PAGE = 64
 MODELS = {
     # DeepSeek-V2-Lite's attention with a dense MLP in place of its MoE (2.61 B parameters).
     "v2-lite": ModelConfig(
@@ -82,28 +100,111 @@ STEP_COLUMNS = [
     "step wall ms",
     "device ms",
     "host ms",
+    "host ms, 1 step",
     "roofline ms",
     "wall / roofline",
 ]
-DECODE_ROWS = [(b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)]
-DECODE_STEPS = 48
-PROFILED_STEPS = 12
-PREFILL_LEN = 4096
-MIXED_MAX_PROMPT = 4000
-CAPACITY_TOKENS = 4096  # the request length the cache-layout comparison counts
 
 
-def _engine_config(**overrides) -> EngineConfig:
-    base = dict(
-        block_size=PAGE,
-        num_blocks=256 * (4096 + 2 * DECODE_STEPS + PAGE) // PAGE + 64,
+class PrefixWorkloads(NamedTuple):
+    """The sizes of the prefix-caching workloads (tokens, random ids)."""
+
+    shared_requests: int  # shared-prefix: requests arriving together
+    shared_prefix: int  # the prefix they share
+    own_tokens: int  # then each request's own tokens
+    shared_new_tokens: int  # tokens each generates
+    conversations: int  # multi-turn: conversations, each turn of all of them arriving together
+    turns: int
+    first_message: int  # a conversation's first prompt
+    user_message: int  # a later turn's new tokens, after the previous answer
+    answer_tokens: int  # tokens generated each turn
+
+
+PREFIX_WORKLOADS = PrefixWorkloads(64, 2048, 128, 64, 16, 4, 1024, 256, 64)
+TINY_PREFIX_WORKLOADS = PrefixWorkloads(8, 128, 16, 8, 4, 3, 64, 16, 8)
+PREFIX_COLUMNS = [
+    "workload",
+    "prefix caching",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "prompt tokens",
+    "prefill tokens computed",
+    "hit rate",
+    "output tok/s",
+    "prompt + output tok/s",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the benchmark's workloads and engine, or a smoke run's."""
+
+    decode_rows: tuple[tuple[int, int], ...]  # (batch, context)
+    decode_steps: int  # timed decode steps a row
+    profiled_steps: int  # traced decode steps a row
+    prefill: tuple[int, int]  # prompts, length
+    mixed: tuple[int, int, int, int]  # requests, shortest and longest prompt, most new tokens
+    compile_depths: str  # default of --compile-depths
+    compile_steps: tuple  # the steps the compile table precompiles: lists of (context, new)
+    capacity_tokens: int  # the request length the cache-layout comparison counts
+    # EngineConfig settings of the serving tables. Prefix caching is off: their workloads
+    # share no prefix, and the decode rows' contexts are zero rows, not the cache of any
+    # tokens.
+    engine: dict
+
+    @property
+    def page(self) -> int:
+        return self.engine["block_size"]
+
+    @property
+    def kernels(self) -> str:
+        """The engine's kernels, as a note names them."""
+        return {"pallas": "Pallas", "reference": "reference"}[self.engine["impl"]]
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        return EngineConfig(**{**self.engine, **overrides})
+
+
+FULL = Sizes(
+    decode_rows=tuple((b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)),
+    decode_steps=48,
+    profiled_steps=12,
+    prefill=(32, 4096),
+    mixed=(64, 100, 4000, 256),
+    compile_depths="2,27,61",
+    compile_steps=([(100, 1)] * 64, [(0, 2048)]),
+    capacity_tokens=4096,
+    engine=dict(
+        block_size=64,
+        num_blocks=256 * (4096 + 2 * 48 + 64) // 64 + 64,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         workspace_size=32768,
         max_model_len=8192,
         impl="pallas",
-    )
-    return EngineConfig(**{**base, **overrides})
+        enable_prefix_caching=False,
+    ),
+)
+SMOKE = Sizes(
+    decode_rows=((1, 16), (4, 16)),
+    decode_steps=16,
+    profiled_steps=2,
+    prefill=(2, 24),
+    mixed=(3, 4, 24, 4),
+    compile_depths="1",
+    compile_steps=([(8, 1)] * 4, [(0, 24)]),
+    capacity_tokens=32,
+    engine=dict(
+        block_size=16,
+        num_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        workspace_size=32,
+        max_model_len=64,
+        impl="reference",
+        enable_prefix_caching=False,
+    ),
+)
 
 
 def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
@@ -172,26 +273,39 @@ def _cache_bytes_per_token(engine: Engine) -> float:
     return total / (engine.cfg.num_blocks * engine.cfg.block_size)
 
 
-def _decode_row(engine, model, bandwidth, batch, context) -> dict:
+def _timed_decode(engine, batch, context, sizes: Sizes) -> tuple[float, float, float]:
+    """Wall seconds of ``sizes.decode_steps`` decode steps of ``batch`` requests at
+    ``context``, and the median step's wall and host milliseconds per decode step (a
+    window's over its steps)."""
     stats = engine.stats
     before = len(stats.step_records)
-    _decode_requests(engine, batch, context, DECODE_STEPS)
+    _decode_requests(engine, batch, context, sizes.decode_steps)
     t0 = time.perf_counter()
     engine.generate([])
     wall_s = time.perf_counter() - t0
     records = stats.step_records[before:]
-    # The first steps may compile; a steady step's wall time is the launch interval.
-    steady = records[3:]
-    step_ms = float(np.median([r.interval_s for r in steady])) * 1e3
-    host_ms = float(np.median([r.host_s for r in steady])) * 1e3
+    # The first launch's interval is from the previous row's; steps after it may compile
+    # (excluded from both times). A steady step's wall time is the launch interval.
+    steady = records[3 if engine.decode_window == 1 else 1 :]
+    step_ms = float(np.median([r.interval_s / r.steps for r in steady])) * 1e3
+    host_ms = float(np.median([r.host_s / r.steps for r in steady])) * 1e3
+    return wall_s, step_ms, host_ms
+
+
+def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
+    wall_s, step_ms, host_ms = _timed_decode(engine, batch, context, sizes)
+    window = engine.decode_window
+    engine.decode_window = 1  # the same steps one at a time: the host's work they save
+    _, _, single_host_ms = _timed_decode(engine, batch, context, sizes)
+    engine.decode_window = window
 
     def profiled():
-        _decode_requests(engine, batch, context, PROFILED_STEPS)
+        _decode_requests(engine, batch, context, sizes.profiled_steps)
         engine.generate([])
-        return PROFILED_STEPS
+        return sizes.profiled_steps
 
     device_ms, kernels = _device_ms_per_step(profiled)
-    kv_bytes = batch * (context + DECODE_STEPS // 2) * _cache_bytes_per_token(engine)
+    kv_bytes = batch * (context + sizes.decode_steps // 2) * _cache_bytes_per_token(engine)
     roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
     return {
         "cells": [
@@ -200,6 +314,7 @@ def _decode_row(engine, model, bandwidth, batch, context) -> dict:
             round(step_ms, 3),
             round(device_ms, 3),
             round(host_ms, 3),
+            round(single_host_ms, 3),
             round(roofline_ms, 3),
             round(step_ms / roofline_ms, 2),
         ],
@@ -209,6 +324,9 @@ def _decode_row(engine, model, bandwidth, batch, context) -> dict:
 
 
 def _run_requests(engine: Engine, requests: list[Request]) -> dict:
+    """``requests`` run to completion, arriving together: seconds (compiling excluded),
+    prompt tokens computed and taken from the prefix cache, tokens generated, each
+    request's time to first token and the percentiles of it and of inter-token latency."""
     stats = engine.stats
     before = dataclasses.replace(stats)
     start = time.perf_counter()
@@ -223,20 +341,23 @@ def _run_requests(engine: Engine, requests: list[Request]) -> dict:
     return dict(
         run_s=run_s,
         prompt=prompt,
+        cached=stats.cached_prompt_tokens - before.cached_prompt_tokens,
         generated=generated,
+        ttft_s=ttft,
         ttft_ms=np.percentile(ttft, [50, 99]) * 1e3,
         itl_ms=np.percentile(itl, [50, 99]) * 1e3 if itl.size else [np.nan, np.nan],
     )
 
 
-def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
+def _compile_depths(base: ModelConfig, depths: list[int], sizes: Sizes) -> list[dict]:
     """Seconds to compile one decode and one prefill program at each depth (no cache)."""
     rows = []
     for depth in depths:
         cfg = dataclasses.replace(base, num_layers=depth)
         model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        engine = Engine(model, _engine_config(num_blocks=512), log=lambda _: None)
-        engine.precompile([[(100, 1)] * 64, [(0, 2048)]])
+        # A small cache: only the programs matter here.
+        engine = Engine(model, sizes.engine_config(num_blocks=512), log=lambda _: None)
+        engine.precompile([list(step) for step in sizes.compile_steps])
         seconds = [round(program.seconds, 2) for program in engine.stats.compiled]
         rows.append({"cells": [depth, *seconds]})
         print(f"compile at {depth} layers: {seconds}", flush=True)
@@ -244,23 +365,32 @@ def _compile_depths(base: ModelConfig, depths: list[int]) -> list[dict]:
     return rows
 
 
-def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
-    """Decode rows on an engine per ``args.kv_cache_dtypes``, and each layout's capacity in
-    4096-token requests within the memory of the first layout's cache."""
-    dtypes = args.kv_cache_dtypes.split(",")
-    decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
-    blocks_per_request = -(-CAPACITY_TOKENS // PAGE)
+def _kv_cache_comparison(
+    dtypes: list[str],
+    decode_rows: list[tuple[int, int]],
+    name: str,
+    model,
+    model_cfg,
+    bandwidth,
+    sizes: Sizes,
+    out_dir: str | None,
+) -> None:
+    """Decode rows on an engine per cache dtype, and each layout's capacity in
+    ``sizes.capacity_tokens``-token requests within the memory of the first layout's cache;
+    the table ``serve_kv_cache_<name>``."""
+    page, capacity_tokens = sizes.page, sizes.capacity_tokens
+    blocks_per_request = -(-capacity_tokens // page)
     rows, budget, first_requests = [], None, None
     for dtype in dtypes:
-        engine = Engine(model, _engine_config(kv_cache_dtype=dtype), log=print)
+        engine = Engine(model, sizes.engine_config(kv_cache_dtype=dtype), log=print)
         token_bytes = _cache_bytes_per_token(engine)
         if budget is None:  # the first layout's cache
-            budget = token_bytes * engine.cfg.num_blocks * PAGE
-        requests = int(budget // (token_bytes * PAGE * blocks_per_request))
+            budget = token_bytes * engine.cfg.num_blocks * page
+        requests = int(budget // (token_bytes * page * blocks_per_request))
         if first_requests is None:
             first_requests = requests
         for batch, context in decode_rows:
-            row = _decode_row(engine, model, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context, sizes)
             row["cells"] = [
                 row["cells"][0],
                 dtype,
@@ -274,39 +404,195 @@ def _kv_cache_comparison(args, model, model_cfg, bandwidth) -> None:
         del engine  # its cache, before the next one's
     mla = model_cfg.mla
     save(
-        f"serve_kv_cache_{args.model}",
-        f"Serving: KV cache layouts on a {args.model}-shaped model (Engine.generate)",
+        f"serve_kv_cache_{name}",
+        f"Serving: KV cache layouts on a {name}-shaped model (Engine.generate)",
         [
             "workload",
             "kv cache",
             "bytes/token/layer",
-            f"{CAPACITY_TOKENS}-token requests in budget",
+            f"{capacity_tokens}-token requests in budget",
             "vs first",
             *STEP_COLUMNS,
         ],
         rows,
         [
             f"{model_cfg.num_layers} layers, Lkv {mla.kv_lora_rank} + rope "
-            f"{mla.qk_rope_head_dim}, random bf16 weights, page {PAGE}, Pallas kernels; "
+            f"{mla.qk_rope_head_dim}, random bf16 weights, page {page}, {sizes.kernels} "
+            "kernels; "
             "auto: the model's dtype (bf16); fp8: e4m3 latent, a float32 scale per 128 "
             "values, bf16 rope.",
             f"Budget: the memory of the first layout's cache in this run ({budget / 1e9:.2f} "
-            f"GB, {_engine_config().num_blocks} blocks of {PAGE}); a request of "
-            f"{CAPACITY_TOKENS} tokens takes {blocks_per_request} blocks. Bytes per token are "
+            f"GB, {sizes.engine['num_blocks']} blocks of {page}); a request of "
+            f"{capacity_tokens} tokens takes {blocks_per_request} blocks. Bytes per token are "
             "those of the engine's cache arrays.",
             "Step wall, device, host and roofline as in the serving table (roofline: weights + "
             "the KV bytes of the layout).",
         ],
         extra={"model": dataclasses.asdict(model_cfg), "machine": machine()},
-        out_dir=args.out,
+        out_dir=out_dir,
     )
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="v2-lite")
+PREFIX_KINDS = ("shared", "multi-turn")
+
+
+def _shared_prefix(engine: Engine, w: PrefixWorkloads, vocab: int) -> dict:
+    """The shared-prefix workload's requests, arriving together (``_run_requests``)."""
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, vocab, w.shared_prefix).tolist()
+    requests = [
+        Request(
+            prefix + rng.integers(0, vocab, w.own_tokens).tolist(),
+            w.shared_new_tokens,
+            ignore_eos=True,
+        )
+        for _ in range(w.shared_requests)
+    ]
+    return _run_requests(engine, requests)
+
+
+def _multi_turn(engine: Engine, w: PrefixWorkloads, vocab: int) -> dict:
+    """The multi-turn workload: each turn, every conversation's prompt (the conversation so
+    far, then a new message) arrives together; ``_run_requests``' sums over the turns, and
+    every request's time to first token from its own turn's start."""
+    rng = np.random.default_rng(2)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(0, vocab, n).tolist()
+
+    conversations = [tokens(w.first_message) for _ in range(w.conversations)]
+    turns = []
+    for turn in range(w.turns):
+        if turn:
+            conversations = [c + tokens(w.user_message) for c in conversations]
+        requests = [Request(c, w.answer_tokens, ignore_eos=True) for c in conversations]
+        turns.append(_run_requests(engine, requests))
+        conversations = [c + r.output_ids for c, r in zip(conversations, requests, strict=True)]
+    summed = {key: sum(t[key] for t in turns) for key in ("run_s", "prompt", "cached", "generated")}
+    return {**summed, "ttft_s": [ttft for t in turns for ttft in t["ttft_s"]]}
+
+
+def _prefix_row(label: str, caching: bool, run: dict) -> dict:
+    ttft_ms = np.asarray(run["ttft_s"]) * 1e3
+    prompt = run["prompt"] + run["cached"]
+    p50, p99 = np.percentile(ttft_ms, [50, 99])
+    return {
+        "cells": [
+            label,
+            "on" if caching else "off",
+            round(float(p50), 1),
+            round(float(p99), 1),
+            prompt,
+            run["prompt"],
+            f"{run['cached'] / prompt:.1%}",
+            round(run["generated"] / run["run_s"], 1),
+            round((prompt + run["generated"]) / run["run_s"], 1),
+        ],
+        "run_s": round(run["run_s"], 3),
+        "cached_prompt_tokens": run["cached"],
+        "ttft_ms": [round(float(t), 1) for t in ttft_ms],
+    }
+
+
+def _prefix_comparison(args, model, model_cfg) -> str:
+    """The prefix-caching table: each of ``args.prefix``'s workloads on an engine without
+    prefix caching and one with it (both precompiled: no compilation in the times)."""
+    tiny = args.model == "tiny"
+    w = TINY_PREFIX_WORKLOADS if tiny else PREFIX_WORKLOADS
+    settings = dict(
+        block_size=16 if tiny else FULL.page,
+        num_blocks=128 if tiny else 4096,
+        max_num_seqs=16 if tiny else 64,
+        max_num_batched_tokens=512 if tiny else 8192,
+        max_num_prefills=8 if tiny else 16,
+        workspace_size=2048 if tiny else 32768,
+        max_model_len=256 if tiny else 4096,
+        impl=args.impl,
+    )
+    labels = {
+        "shared": f"shared prefix: {w.shared_requests} requests, {w.shared_prefix} shared + "
+        f"{w.own_tokens} own tokens, {w.shared_new_tokens} new",
+        "multi-turn": f"multi-turn: {w.conversations} conversations x {w.turns} turns "
+        f"({w.first_message} tokens, then {w.answer_tokens} answer + {w.user_message} new a "
+        "turn)",
+    }
+    runs = {"shared": _shared_prefix, "multi-turn": _multi_turn}
+    kinds = args.prefix.split(",")
+    measured = {}
+    compilation.enable_cache()  # the second engine loads the first's programs
+    for caching in (False, True):
+        config = FULL.engine_config(**settings, enable_prefix_caching=caching)
+        engine = Engine(model, config, log=print)
+        engine.precompile()
+        for kind in kinds:
+            run = runs[kind](engine, w, model_cfg.vocab_size)
+            measured[kind, caching] = _prefix_row(labels[kind], caching, run)
+            print(measured[kind, caching], flush=True)
+        del engine
+    mla = model_cfg.mla
+    notes = [
+        f"{model_cfg.num_layers} layers, hidden {mla.hidden_size}, {mla.num_heads} heads, "
+        f"random bf16 weights, {args.impl} kernels, asynchronous scheduling; page "
+        f"{settings['block_size']}, {settings['max_num_batched_tokens']} tokens and up to "
+        f"{settings['max_num_prefills']} prompt chunks a step, {settings['max_num_seqs']} "
+        f"requests running at most, {settings['num_blocks']} cache blocks; every program "
+        "compiled before the runs.",
+        "Prompts are random token ids, answers ignore EOS; both engines get the same prompts "
+        "(multi-turn: of the same lengths, each turn after the engine's own answers). "
+        "Requests of a workload (of a turn, in the multi-turn one) arrive together. "
+        "With caching, a request computes only what no earlier request left in the cache: "
+        "requests admitted in the first steps compute the shared prefix each.",
+        "TTFT: from the generate call's start to the host reading the request's first token "
+        "(multi-turn: over every turn's requests, each from its turn's start). Prefill tokens "
+        "computed: prompt tokens run through the model; hit rate: prompt tokens taken from "
+        "the cache / prompt tokens. Tokens/s: per second of the whole run.",
+    ]
+    return save(
+        f"serve_prefix_{args.model}",
+        f"Serving: prefix caching on a {args.model}-shaped model (Engine.generate)",
+        PREFIX_COLUMNS,
+        [measured[kind, caching] for kind in kinds for caching in (False, True)],
+        notes,
+        extra={
+            "model": dataclasses.asdict(model_cfg),
+            "workloads": w._asdict(),
+            "settings": settings,
+            "machine": machine(),
+        },
+        out_dir=args.out,
+        publish=not args.no_publish,
+    )
+
+
+def _prefix_kinds(text: str) -> str:
+    """``--prefix shared,multi-turn``: names of PREFIX_KINDS, none repeated."""
+    kinds = [kind.strip() for kind in text.split(",")]
+    bad = [kind for kind in kinds if kind not in PREFIX_KINDS]
+    if bad or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want a comma-separated subset of {','.join(PREFIX_KINDS)}"
+        )
+    return ",".join(kinds)
+
+
+def _rows(text: str) -> list[tuple[int, int]]:
+    """``64x512,256x4096`` -> [(64, 512), (256, 4096)]."""
+    return [tuple(map(int, r.split("x"))) for r in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__.split("\n")[0])
+    ap.add_argument(
+        "--model",
+        choices=[*sorted(MODELS), "tiny"],
+        help="default: v2-lite; tiny: --prefix or --smoke only (and --smoke's default)",
+    )
     ap.add_argument("--layers", type=int, help="override the model's depth")
-    ap.add_argument("--compile-depths", default="2,27,61", help="'' to skip that table")
+    ap.add_argument(
+        "--compile-depths",
+        help=f"'' to skip that table (default: {FULL.compile_depths}; {SMOKE.compile_depths} "
+        "with --smoke)",
+    )
     ap.add_argument("--rows", default="decode,prefill,mixed")
     ap.add_argument("--decode-rows", help="e.g. 64x512,256x4096 (default: all)")
     ap.add_argument(
@@ -314,16 +600,57 @@ def main():
         help="e.g. auto,fp8: compare cache layouts on the decode rows (default 256x4096) "
         "instead of the serving table",
     )
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--prefix",
+        type=_prefix_kinds,
+        nargs="?",
+        const=",".join(PREFIX_KINDS),
+        help="compare prefix caching on and off on these workloads (default: all of "
+        f"{','.join(PREFIX_KINDS)}) instead of the serving table",
+    )
+    ap.add_argument(
+        "--impl", choices=["pallas", "reference"], default="pallas", help="kernels (--prefix)"
+    )
+    ap.add_argument(
+        "--decode-window",
+        type=int,
+        default=8,
+        help="decode steps a window runs (EngineConfig.decode_window) in the serving and "
+        "cache-layout tables; their decode rows also time the host with single steps",
+    )
+    ap.add_argument(
+        "--no-publish",
+        action="store_true",
+        help="write the JSON only under --out (a trial run: benchmarks/ and the page untouched)",
+    )
+    args = parse_args(ap, argv)
+    if args.decode_window < 1:
+        ap.error(f"--decode-window must be >= 1, got {args.decode_window}")
+    sizes = SMOKE if args.smoke else FULL
+    sizes = dataclasses.replace(sizes, engine={**sizes.engine, "decode_window": args.decode_window})
     for dtype in (args.kv_cache_dtypes or "auto").split(","):
         try:
             cache_dtype(dtype, jnp.bfloat16)
         except ValueError as e:
             ap.error(f"--kv-cache-dtypes: {e}")
-    model_cfg = MODELS[args.model]
+    if args.no_publish and not args.out:
+        ap.error("--no-publish needs --out")
+    if args.smoke and args.model not in (None, "tiny"):
+        ap.error(f"--smoke runs the tiny model, not --model {args.model}")
+    args.model = args.model or ("tiny" if args.smoke else "v2-lite")
+    if args.model == "tiny" and not (args.prefix or args.smoke):
+        ap.error("--model tiny runs only --prefix")
+    if args.impl != "pallas" and not args.prefix:
+        ap.error("--impl reference runs only --prefix (the serving table times the kernels)")
+    if args.compile_depths is None:
+        args.compile_depths = sizes.compile_depths
+    model_cfg = TINY if args.model == "tiny" else MODELS[args.model]
     if args.layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
+    if args.prefix:
+        model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        _prefix_comparison(args, model, model_cfg)
+        return
     bandwidth = copy_bandwidth().gbs
     model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     weight_bytes = _weight_bytes(model, 1)
@@ -332,45 +659,43 @@ def main():
         f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
         flush=True,
     )
+    comparison = (args.model, model, model_cfg, bandwidth, sizes, args.out)
     if args.kv_cache_dtypes:
-        args.decode_rows = args.decode_rows or "256x4096"
-        _kv_cache_comparison(args, model, model_cfg, bandwidth)
+        rows = _rows(args.decode_rows) if args.decode_rows else sizes.decode_rows[-1:]
+        _kv_cache_comparison(args.kv_cache_dtypes.split(","), rows, *comparison)
         return
-    engine = Engine(model, _engine_config(), log=print)
+    engine = Engine(model, sizes.engine_config(), log=print)
     rows, kinds = [], args.rows.split(",")
     if "decode" in kinds:
-        decode_rows = DECODE_ROWS
+        decode_rows = sizes.decode_rows
         if args.decode_rows:
-            decode_rows = [tuple(map(int, r.split("x"))) for r in args.decode_rows.split(",")]
+            decode_rows = _rows(args.decode_rows)
         for batch, context in decode_rows:
-            row = _decode_row(engine, model, bandwidth, batch, context)
+            row = _decode_row(engine, model, bandwidth, batch, context, sizes)
             print(row, flush=True)
             rows.append(row)
     rng = np.random.default_rng(0)
     vocab = model_cfg.vocab_size
     if "prefill" in kinds:
-        requests = [Request(rng.integers(0, vocab, PREFILL_LEN).tolist(), 1) for _ in range(32)]
+        count, length = sizes.prefill
+        requests = [Request(rng.integers(0, vocab, length).tolist(), 1) for _ in range(count)]
         r = _run_requests(engine, requests)
         rows.append(
             {
                 "cells": [
-                    f"prefill 32 x {PREFILL_LEN}",
+                    f"prefill {count} x {length}",
                     round(r["prompt"] / r["run_s"], 1),
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * (len(STEP_COLUMNS) - 1),
                 ]
             }
         )
         print(rows[-1], r, flush=True)
     mixed = None
     if "mixed" in kinds:
-        prompts = [
-            rng.integers(0, vocab, n).tolist() for n in rng.integers(100, MIXED_MAX_PROMPT + 1, 64)
-        ]
-        new = rng.integers(1, 257, 64)
+        count, shortest, longest, most_new = sizes.mixed
+        lengths = rng.integers(shortest, longest + 1, count)
+        prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
+        new = rng.integers(1, most_new + 1, count)
         requests = [Request(p, int(n), ignore_eos=True) for p, n in zip(prompts, new, strict=True)]
         r = _run_requests(engine, requests)
         mixed = {
@@ -381,13 +706,9 @@ def main():
         rows.append(
             {
                 "cells": [
-                    "mixed: 64 requests, prompts 100-4000, 1-256 new",
+                    f"mixed: {count} requests, prompts {shortest}-{longest}, 1-{most_new} new",
                     mixed["tokens_per_s"],
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * (len(STEP_COLUMNS) - 1),
                 ],
                 **mixed,
             }
@@ -406,10 +727,14 @@ def main():
     notes = [
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
-        f"random bf16 weights, page {PAGE}, Pallas kernels, asynchronous scheduling.",
+        f"random bf16 weights, page {sizes.page}, {sizes.kernels} kernels, asynchronous "
+        "scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
-        "metadata + launch per step.",
+        "metadata + launch per step. Decode steps run in windows of "
+        f"{args.decode_window} steps (one device program, tokens read once a window; wall and "
+        "host per step: a window's over its steps); host ms, 1 step: the same steps run one "
+        "at a time.",
         f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
         "the embedding table"
         + (
@@ -439,14 +764,21 @@ def main():
         extra={"model": dataclasses.asdict(model_cfg), "stats": stats, "machine": machine()},
         out_dir=args.out,
     )
+    if args.smoke:  # a smoke run checks the cache-layout comparison too
+        _kv_cache_comparison(["auto", "fp8"], sizes.decode_rows[-1:], *comparison)
     depths = [int(d) for d in args.compile_depths.split(",") if d]
     if depths:
         del engine, model
+        decodes, [(_, prefill_tokens)] = sizes.compile_steps
         save(
             f"compile_{args.model}",
             f"Compile seconds per program against depth ({args.model}-shaped)",
-            ["layers", "decode 64 program s", "prefill 2048 program s"],
-            _compile_depths(model_cfg, depths),
+            [
+                "layers",
+                f"decode {len(decodes)} program s",
+                f"prefill {prefill_tokens} program s",
+            ],
+            _compile_depths(model_cfg, depths, sizes),
             [
                 "Layers are stacked and run by a lax.scan: XLA compiles one layer. No persistent "
                 "compilation cache."

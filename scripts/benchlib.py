@@ -1,5 +1,13 @@
-"""Shared by the bench_*.py scripts: where results go, what machine ran them, and the
-BENCHMARKS.md page rendered from every result file (the page is never edited by hand)."""
+"""Shared by the bench_*.py scripts: their command line, how they time, where results go,
+what machine ran them, and the BENCHMARKS.md page rendered from every result file (the page
+is never edited by hand).
+
+A smoke run (``--smoke --out DIR``) checks a script end to end in seconds on the CPU: the
+script picks its tiny shapes, and this module makes the run CPU-only (the Pallas kernels
+interpreted, ``SMOKE_DEVICES`` host devices for the multi-device modes), times every function
+with ``SMOKE_REPS`` calls, and writes results under DIR only, never to benchmarks/ or the
+page. CI runs every script this way (``tests/scripts/test_smoke.py``).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +31,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks")
 PAGE = os.path.join(ROOT, "BENCHMARKS.md")
+SMOKE_REPS = 2  # timed calls of each function in a smoke run (after one warm-up call)
+SMOKE_DEVICES = 2  # host devices of a smoke run: room for tensor and data parallel modes
+SMOKE_TRIALS = 3  # trials of each sweep in a smoke run
+
+_smoke = False  # set by parse_args for a --smoke run
 
 
 def machine() -> str:
@@ -139,7 +152,10 @@ def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Ti
     """Median device time of ``fn(*args)``, warm, rotating through ``arg_sets`` (distinct
     buffers, so that data left in L2 by one call does not serve the next). On a GPU it is the
     summed duration of the call's kernels as CUPTI timestamps them (the profiler's device
-    events); elsewhere, wall clock around ``block_until_ready``."""
+    events); elsewhere, wall clock around ``block_until_ready``. A smoke run makes at most
+    ``SMOKE_REPS`` calls on the first argument set, after one warm-up call."""
+    if _smoke:
+        arg_sets, reps, warmup = arg_sets[:1], min(reps, SMOKE_REPS), min(warmup, 1)
     for _ in range(warmup):
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
@@ -160,68 +176,151 @@ class CopyBandwidth(NamedTuple):
         return {"GB/s": round(self.gbs, 1), "method": self.method, "timing": self.timing.record()}
 
 
-def copy_bandwidth(gib: float = 2.0) -> CopyBandwidth:
-    """The device's copy bandwidth (bytes read + written per second) and how it was taken:
-    a device-to-device ``copy_`` timed with CUDA events when PyTorch is there (what the
-    driver's copy engine path reaches), else a float32 elementwise pass through XLA."""
-    n = int(gib * 2**30) // 4
-    nbytes = 2 * n * 4
+def _torch_copy(n: int) -> Timing | None:
+    """A device-to-device ``copy_`` of ``n`` float32 timed with CUDA events, or None without
+    PyTorch's CUDA."""
     try:
         import torch
 
         x = torch.randn(n, device="cuda")
-        y = torch.empty_like(x)
-        warmup = 3
-        for _ in range(warmup):
-            y.copy_(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            start.record()
-            y.copy_(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        del x, y
-        t = Timing.of(times, "cuda_events", warmup=warmup, rotation=1)
-        return CopyBandwidth(nbytes / t.us / 1e3, "torch copy_ with CUDA events", t)
     except (ImportError, RuntimeError, AssertionError):
-        xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
-        t = time_us(jax.jit(lambda x: x + 1), [(x,) for x in xs], reps=10)
-        return CopyBandwidth(nbytes / t.us / 1e3, "XLA float32 elementwise pass", t)
+        return None
+    y = torch.empty_like(x)
+    warmup = 3
+    for _ in range(warmup):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return Timing.of(times, "cuda_events", warmup=warmup, rotation=1)
 
 
-def parse_args(doc: str, kernels: tuple[str, ...] = ()):
+def copy_bandwidth(gib: float = 2.0) -> CopyBandwidth:
+    """The device's copy bandwidth (bytes read + written per second) and how it was taken:
+    on a GPU, a device-to-device ``copy_`` timed with CUDA events when PyTorch is there (what
+    the driver's copy engine path reaches), else a float32 elementwise pass through XLA. A
+    smoke run copies 1 MiB."""
+    if _smoke:
+        gib = 2**-10
+    n = int(gib * 2**30) // 4
+    nbytes = 2 * n * 4
+    if jax.default_backend() == "gpu":
+        t = _torch_copy(n)
+        if t is not None:
+            return CopyBandwidth(nbytes / t.us / 1e3, "torch copy_ with CUDA events", t)
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+    t = time_us(jax.jit(lambda x: x + 1), [(x,) for x in xs], reps=10)
+    return CopyBandwidth(nbytes / t.us / 1e3, "XLA float32 elementwise pass", t)
+
+
+class DonatedCache:
+    """A step that owns its cache: each call donates the cache and keeps the one the step
+    returns, as ``Engine.step`` does (a donated buffer cannot be passed again). ``step(state,
+    x, cache, metadata)`` returns ``(y, cache)``."""
+
+    def __init__(self, step, cache):
+        self.step = step
+        self.cache = cache
+
+    def __call__(self, state, x, metadata):
+        y, self.cache = self.step(state, x, self.cache, metadata)
+        return y, self.cache
+
+
+def parser(doc: str, *, sweeps: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """The bench scripts' command line: ``--out DIR`` (also write the JSON there),
-    ``--sweep [NAME]`` (time kernel variants instead of the table: ``all``, or one set a
-    script names) and, for a script with several kernels of one op, ``--kernel`` (one of
-    ``kernels``, the first by default)."""
-    ap = argparse.ArgumentParser(description=doc)
-    ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument(
-        "--sweep", nargs="?", const="all", help="time kernel variants (a script may name sets)"
+    ``--smoke`` (a CPU check of the whole script in seconds, results only under --out) and,
+    where a script has ``sweeps``, ``--sweep [NAME]`` (time kernel variants instead of the
+    tables; NAME one of ``sweeps``, the first by default). A script adds its own flags, then
+    calls ``parse_args``."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    if kernels:
-        ap.add_argument("--kernel", choices=kernels, default=kernels[0], help="which kernel")
-    return ap.parse_args()
+    ap.add_argument("--out", metavar="DIR", help="also write the JSON here")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the script end to end on the CPU in seconds: tiny shapes, Pallas kernels "
+        f"interpreted, {SMOKE_REPS} timed calls, each sweep on {SMOKE_TRIALS} trials; results "
+        "only under --out (needs it)",
+    )
+    if sweeps:
+        ap.add_argument(
+            "--sweep",
+            nargs="?",
+            const=sweeps[0],
+            choices=sweeps,
+            help=f"time kernel variants instead of the tables (default: {sweeps[0]})",
+        )
+    return ap
 
 
-def sweep(name: str, trials, out_dir: str | None) -> None:
-    """Runs ``(info, variant, run)`` trials (``run()`` returns a dict of results); a variant
-    Triton rejects is recorded, not fatal. Writes ``<name>_sweep.json`` under ``out_dir``
-    (never into BENCHMARKS.md)."""
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``ap``'s arguments; for ``--smoke``, the run is set up as one (before any array
+    exists): CPU only, with ``SMOKE_DEVICES`` devices, few timed calls, results under --out
+    only."""
+    global _smoke
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if not args.out:
+            ap.error("--smoke needs --out DIR (a smoke run never writes benchmarks/)")
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", SMOKE_DEVICES)
+        # Interpreted kernels make large programs; unoptimized machine code halves their
+        # compile time, which is most of a smoke run.
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+        _smoke = True
+    return args
+
+
+def run(args: argparse.Namespace, tables, sweeps: dict) -> None:
+    """A script with sweeps: ``tables()``, or with ``--sweep NAME`` only ``sweeps[NAME]()``;
+    a smoke run runs the tables and then every sweep."""
+    if args.sweep:
+        sweeps[args.sweep]()
+        return
+    tables()
+    if _smoke:
+        for name in sweeps:
+            print(f"smoke: sweep {name}", flush=True)
+            sweeps[name]()
+
+
+def sweep(name: str, trials: list, out_dir: str | None) -> None:
+    """Runs ``(info, variant, measure)`` trials (``measure()`` returns a dict of results); a
+    variant Triton rejects is recorded, not fatal. Writes ``<name>_sweep.json`` under
+    ``out_dir`` (never into BENCHMARKS.md). A smoke run runs ``SMOKE_TRIALS`` trials spread
+    evenly from the first to the last (a sweep's sets of variants come one after another);
+    Triton compiles nothing there, so any error is the script's and fatal."""
+    if _smoke:
+        last = len(trials) - 1
+        picks = {round(i * last / (SMOKE_TRIALS - 1)) for i in range(SMOKE_TRIALS)}
+        trials = [trials[i] for i in sorted(picks)]
     rows = []
-    for info, variant, run in trials:
+    for info, variant, measure in trials:
         try:
-            result = {**info, **jsonable(run())}
+            result = {**info, **jsonable(measure())}
         except Exception as e:  # noqa: BLE001 (a variant the compiler rejects)
+            if _smoke:
+                raise
             result = {**info, "error": f"{type(e).__name__}: {e}"[:300]}
         result["variant"] = variant
         rows.append(result)
         print(json.dumps(result), flush=True)
     with open(os.path.join(out_dir or ".", f"{name}_sweep.json"), "w") as f:
         json.dump(
-            {"device": machine(), "date": datetime.date.today().isoformat(), "rows": rows},
+            {
+                "device": machine(),
+                "date": datetime.date.today().isoformat(),
+                "rows": rows,
+                **({"smoke": True} if _smoke else {}),
+            },
             f,
             indent=1,
         )
@@ -262,8 +361,10 @@ def save(
     publish: bool = True,
 ) -> str:
     """Writes ``benchmarks/<name>.json`` (and a copy under ``out_dir``), re-renders the page.
-    ``rows`` are made by ``row``. ``publish=False`` (a trial run): only ``out_dir`` gets the
-    JSON, the repository's results and page are left alone."""
+    ``rows`` are made by ``row``. ``publish=False`` (a trial run) or a smoke run: only
+    ``out_dir`` gets the JSON (marked ``"smoke": true`` in a smoke run), the repository's
+    results and page are left alone."""
+    publish = publish and not _smoke
     result = {
         "title": title,
         "device": machine(),
@@ -272,6 +373,7 @@ def save(
         "rows": rows,
         "notes": notes,
         **(extra or {}),
+        **({"smoke": True} if _smoke else {}),
     }
     if not publish and out_dir is None:
         raise ValueError("a result saved with publish=False needs an out_dir")

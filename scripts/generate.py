@@ -2,6 +2,16 @@
 
     python scripts/generate.py --model tiny --prompt-ids 3,14,15 --prompt-ids 9,2,6 \
         --max-new-tokens 16 --output result.json
+
+``--smoke --output result.json`` checks the script on the CPU in seconds: the tiny model,
+two short prompts, 4 new tokens, no compilation cache (flags given still win).
+
+``--plan-only`` prints the memory plan of the model's config.json (no weights are read, no
+device is used; ``mla_jax.parallel.memory_plan``): per layout of ``--plan-devices`` devices,
+the weights and the cache bytes per device, and how many requests of ``--request-tokens``
+fit on 8 x H200 and 8 x H100 after the weights and ``--headroom``:
+
+    python scripts/generate.py --model DIR --plan-only [--dtype bfloat16] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -13,18 +23,19 @@ import os
 import re
 import sys
 
+import jax
 import jax.numpy as jnp
 
 from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
-from mla_jax.checkpoint.loader import WeightsError, load_model
-from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, load_model
+from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.model.config import ConfigError
-from mla_jax.parallel import sharding
+from mla_jax.parallel import memory_plan, sharding
 
 # What a user can get wrong beyond the flags (the checkpoint, the requests' sizes): the
 # command line prints these as one line, not a traceback.
@@ -36,6 +47,9 @@ _USER_ERRORS = (
     MetadataError,
 )
 _DIGITS = re.compile(r"[0-9]+")
+# The request of a smoke run (--smoke) where its flags give none.
+SMOKE_PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 3, 5]]
+SMOKE_NEW_TOKENS = 4
 
 
 def _token_ids(text: str) -> list[int]:
@@ -68,15 +82,30 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"want a number in [0, 1), got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="HF checkpoint folder, or 'tiny'")
+    ap.add_argument("--model", help="HF checkpoint folder, or 'tiny' (required but with --smoke)")
     ap.add_argument("--prompt-ids", type=_token_ids, action="append", default=[])
     ap.add_argument("--prompt", action="append", default=[], help="text (needs tokenizer.json)")
     ap.add_argument("--max-new-tokens", type=_positive_int)
     ap.add_argument("--temperature", type=_temperature, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="the model's dtype (default: float32; bfloat16 with --plan-only)",
+    )
     ap.add_argument("--block-size", type=_positive_int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
     ap.add_argument(
@@ -104,6 +133,14 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: the model's dtype; fp8: e4m3 latent with a scale per 128 values",
     )
     ap.add_argument(
+        "--fp8-weights",
+        choices=FP8_WEIGHTS,
+        default="auto",
+        help="an FP8 checkpoint's weights: keep (FP8 with block scales on the device, "
+        "dequantized tile by tile in the matmuls), dequantize (to --dtype at load), auto "
+        "(keep on a GPU, dequantize elsewhere); --dtype stays the activations' dtype",
+    )
+    ap.add_argument(
         "--tp",
         type=_positive_int,
         default=1,
@@ -116,9 +153,63 @@ def _parser() -> argparse.ArgumentParser:
         help="data parallel attention: this many ranks (of --tp devices each), each running "
         "its own requests over its own part of the cache",
     )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt whole (default: a prompt starts from the longest prefix an "
+        "earlier request left in the cache)",
+    )
+    ap.add_argument(
+        "--decode-window",
+        type=_positive_int,
+        help="decode steps run in one device program while every request decodes (default: "
+        "8 on GPUs, 1 elsewhere; 1: every step alone)",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory plan (weights and cache bytes per device, requests that fit) of "
+        "each layout of --plan-devices devices, from config.json alone, and exit",
+    )
+    ap.add_argument(
+        "--plan-devices", type=_positive_int, default=8, help="devices of the memory plan"
+    )
+    ap.add_argument(
+        "--request-tokens",
+        type=_positive_int,
+        default=4096,
+        help="tokens of one request (prompt and output) in the memory plan",
+    )
+    ap.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=0.1,
+        help="the memory plan's headroom: the fraction of each GPU's memory kept for "
+        "activations, workspaces and XLA",
+    )
     ap.add_argument("--output", help="write the result JSON here")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the script on the CPU in seconds: the tiny model, two short prompts, "
+        f"{SMOKE_NEW_TOKENS} new tokens, no compilation cache (flags given still win); "
+        "needs --output",
+    )
     return ap
+
+
+def _smoke(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A smoke run's settings where the flags give none, on the CPU (before any array
+    exists)."""
+    if not args.output:
+        ap.error("--smoke needs --output (the result JSON)")
+    args.model = args.model or "tiny"
+    if not args.prompt_ids and not args.prompt:
+        args.prompt_ids = SMOKE_PROMPTS
+    args.max_new_tokens = args.max_new_tokens or SMOKE_NEW_TOKENS
+    args.no_compilation_cache = True
+    jax.config.update("jax_platforms", "cpu")
 
 
 def _check_output(ap: argparse.ArgumentParser, path: str) -> None:
@@ -168,6 +259,8 @@ def _engine_config(
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel=args.tp,
             data_parallel=args.dp,
+            enable_prefix_caching=not args.no_prefix_caching,
+            decode_window=args.decode_window,
         )
     except ValueError as e:  # settings that conflict, e.g. a workspace smaller than a block
         ap.error(str(e))
@@ -180,6 +273,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.output:
         _check_output(ap, args.output)
+    if args.smoke:
+        _smoke(ap, args)
+    if args.model is None:
+        ap.error("the following arguments are required: --model")
+    if args.plan_only:
+        return _plan(args)
+    args.dtype = args.dtype or "float32"
     if args.list_buckets:
         return _list_buckets(ap, args)
     if not args.prompt_ids and not args.prompt:
@@ -207,7 +307,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"compilation cache: {path}", file=sys.stderr)
 
     print(f"loading {model_dir} ({args.dtype})", file=sys.stderr)
-    _, model = load_model(model_dir, dtype=jnp.dtype(args.dtype), verbose=True, placement=placement)
+    _, model = load_model(
+        model_dir,
+        dtype=jnp.dtype(args.dtype),
+        verbose=True,
+        placement=placement,
+        fp8_weights=args.fp8_weights,
+    )
     engine = Engine(model, cfg, seed=args.seed)
     requests = [
         Request(p, args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
@@ -243,12 +349,59 @@ def _list_buckets(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     return {"buckets": [shape._asdict() for shape in shapes]}
 
 
+def _plan(args: argparse.Namespace) -> dict:
+    """Prints the memory plan of the model's config (``memory_plan.plan``) as a table."""
+    model_cfg = TINY if args.model == "tiny" else load_config(args.model)
+    settings = dict(
+        dtype=jnp.dtype(args.dtype or "bfloat16"),
+        request_tokens=args.request_tokens,
+        block_size=args.block_size,
+        headroom=args.headroom,
+    )
+    rows = memory_plan.plan(model_cfg, args.plan_devices, **settings)
+    print(
+        f"memory plan: {args.model} ({memory_plan.parameter_count(model_cfg) / 1e9:.2f} B "
+        f"parameters) on {args.plan_devices} devices; weights in {settings['dtype'].name} or FP8 "
+        f"with block scales; requests of {args.request_tokens} tokens in blocks of "
+        f"{args.block_size}; headroom {args.headroom:.0%} of each GPU's memory "
+        "(activations, workspaces, XLA); 'planned' layouts have no runtime yet: their numbers "
+        "come from the partition specs they would use"
+    )
+    print(memory_plan.format_plan(rows, request_tokens=args.request_tokens))
+    result = {
+        "plan": [
+            {
+                "layout": row.layout.name,
+                "runnable": row.layout.runnable,
+                "weights": row.weights,
+                "weight_bytes_per_device": row.weight_bytes,
+                "cache_bytes_per_token_per_device": row.token_bytes,
+                "devices_holding_a_token": row.token_copies,
+                "requests": [
+                    {"node": node, "kv_cache_dtype": kv, "requests": count}
+                    for (node, kv), count in row.requests.items()
+                ],
+                "refused": row.refused,
+            }
+            for row in rows
+        ],
+        "settings": {**settings, "dtype": settings["dtype"].name},
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return result
+
+
 def _summary(stats: dict) -> str:
     """The run's step statistics in one line."""
-    first = stats["first_token_s"]
+    first, hit_rate = stats["first_token_s"], stats["prefix_cache_hit_rate"]
+    hits = "" if hit_rate is None else f", prefix cache hit rate {hit_rate:.1%}"
     return (
-        f"{stats['steps']} steps, {stats['prompt_tokens']} prompt + "
-        f"{stats['generated_tokens']} generated tokens, {stats['tokens_per_s']} tok/s after "
+        f"{stats['steps']} steps, {stats['prompt_tokens']} prompt tokens computed + "
+        f"{stats['cached_prompt_tokens']} cached{hits}, {stats['generated_tokens']} generated "
+        f"tokens, {stats['tokens_per_s']} tok/s after "
         f"{stats['compile_s']} s on {stats['programs']} programs "
         f"({stats['programs_from_cache']} from the compilation cache); first token after "
         f"{first} s; decode step {stats['decode_step_ms']} ms (host "

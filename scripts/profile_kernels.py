@@ -2,57 +2,97 @@
 
     ncu --kernel-name regex:mla_decode --launch-skip 2 --launch-count 1 \\
         python scripts/profile_kernels.py decode --heads 128
+
+``--out DIR`` also writes what ran (kernel, shapes, wall seconds of each call) as
+``profile_<kernel>.json``. ``--smoke``: both kernels once at 16 heads, 2 x 64 tokens on
+the CPU (interpreted), results under --out only.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import json
+import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from benchlib import parse_args, parser
 
 from mla_jax.kernels import KernelPlan, decode, prefill
 
+KERNELS = ("decode", "prefill")
+# The defaults of a smoke run (flags given still win).
+SMOKE_FLAGS = dict(heads=16, batch=2, context=64, reps=1)
+
+
+def _decode(n: int, b: int, ctx: int):
+    """``mla_decode`` over ``b`` requests of ``ctx`` tokens (DeepSeek's 512 + 64, page 64)
+    and its arguments."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    pages = b * -(-ctx // 64)
+    lens = np.full(b, ctx, np.int32)
+    table = np.random.default_rng(0).permutation(pages).reshape(b, -1).astype(np.int32)
+    schedule = KernelPlan.for_device(n).decode_schedule(lens)
+    f = jax.jit(functools.partial(decode.mla_decode, scale=0.07, schedule=schedule))
+    args = (
+        jax.random.normal(ks[0], (b, n, 512), jnp.bfloat16),
+        jax.random.normal(ks[1], (b, n, 64), jnp.bfloat16),
+        jax.random.normal(ks[2], (pages, 64, 576), jnp.bfloat16),
+        jnp.asarray(table),
+        jnp.asarray(lens),
+    )
+    return f, args
+
+
+def _prefill(n: int, t: int):
+    """Causal ``flash_prefill`` over one sequence of ``t`` tokens (q/k 192, v 128) and its
+    arguments."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    cu = jnp.array([0, t], jnp.int32)
+    f = jax.jit(functools.partial(prefill.flash_prefill, scale=0.07, causal=True))
+    args = (
+        jax.random.normal(ks[0], (t, n, 192), jnp.bfloat16),
+        jax.random.normal(ks[1], (t, n, 192), jnp.bfloat16),
+        jax.random.normal(ks[2], (t, n, 128), jnp.bfloat16),
+        cu,
+        cu,
+    )
+    return f, args
+
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=["decode", "prefill"])
+    ap = parser(__doc__)
+    ap.add_argument("kernel", nargs="?", choices=KERNELS, help="default: both, in turn")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=4)
-    args = ap.parse_args()
+    args = parse_args(ap)
+    if args.smoke:
+        ap.set_defaults(**SMOKE_FLAGS)
+        args = ap.parse_args()
     n, b, ctx = args.heads, args.batch, args.context
-    ks = jax.random.split(jax.random.key(0), 4)
-    if args.kernel == "decode":
-        pages = b * ctx // 64
-        lens = np.full(b, ctx, np.int32)
-        table = np.random.default_rng(0).permutation(pages).reshape(b, -1).astype(np.int32)
-        plan = KernelPlan.for_device(n)
-        schedule = decode.plan(lens, num_programs=plan.decode_programs(b), block_k=64)
-        f = jax.jit(functools.partial(decode.mla_decode, scale=0.07, schedule=schedule))
-        args_ = (
-            jax.random.normal(ks[0], (b, n, 512), jnp.bfloat16),
-            jax.random.normal(ks[1], (b, n, 64), jnp.bfloat16),
-            jax.random.normal(ks[2], (pages, 64, 576), jnp.bfloat16),
-            jnp.asarray(table),
-            jnp.asarray(lens),
-        )
-    else:
-        t = ctx
-        cu = jnp.array([0, t], jnp.int32)
-        f = jax.jit(functools.partial(prefill.flash_prefill, scale=0.07, causal=True))
-        args_ = (
-            jax.random.normal(ks[0], (t, n, 192), jnp.bfloat16),
-            jax.random.normal(ks[1], (t, n, 192), jnp.bfloat16),
-            jax.random.normal(ks[2], (t, n, 128), jnp.bfloat16),
-            cu,
-            cu,
-        )
-    for _ in range(args.reps):
-        jax.block_until_ready(f(*args_))
+    for kernel in [args.kernel] if args.kernel else KERNELS:
+        f, f_args = _decode(n, b, ctx) if kernel == "decode" else _prefill(n, ctx)
+        seconds = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            jax.block_until_ready(f(*f_args))
+            seconds.append(time.perf_counter() - start)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            ran = {
+                "kernel": kernel,
+                "shapes": {str(i): list(a.shape) for i, a in enumerate(f_args)},
+                "dtypes": {str(i): str(a.dtype) for i, a in enumerate(f_args)},
+                "seconds": seconds,
+                "device": str(jax.devices()[0]),
+            }
+            with open(os.path.join(args.out, f"profile_{kernel}.json"), "w") as out:
+                json.dump(ran, out, indent=1)
+        print(f"{kernel}: {args.reps} calls, " + ", ".join(f"{s:.4f} s" for s in seconds))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ package itself and runs the whole suite beside it."""
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -53,3 +55,24 @@ def test_the_project_installs_one_top_level_package():
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     assert {name.split(".")[0] for name in setuptools["packages"]} == {"mla_jax"}
     assert setuptools["package-dir"] == {"mla_jax.kernels": "kernels"}
+
+
+def test_the_kernels_import_nothing_else_of_the_library():
+    """Every module under kernels/ imports only kernels/ itself (relatively, never past its
+    top), jax, numpy and the standard library: no ``mla_jax`` outside ``mla_jax.kernels``."""
+    kernels_dir = pathlib.Path(ROOT) / "kernels"
+    modules = sorted(kernels_dir.rglob("*.py"))
+    assert len(modules) > 10
+    for path in modules:
+        depth = len(path.relative_to(kernels_dir).parts)  # kernels/decode/x.py: 2
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level <= depth, f"{path}: relative import above kernels/"
+                names = [] if node.level else [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in {"jax", "numpy"} or top in sys.stdlib_module_names, f"{path}: {name}"

@@ -87,6 +87,8 @@ def unsupported(q_lat, q_pe, kv_cache) -> str | None:
         return f"dtype {q_lat.dtype} (runs bfloat16)"
     if q_lat.shape[-1] % (2 * 64) or q_pe.shape[-1] != ROPE:
         return f"Lkv {q_lat.shape[-1]} and R {q_pe.shape[-1]} (runs Lkv % 128 == 0, R == {ROPE})"
+    if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+        return f"jax {jax.__version__} interpreted (Mosaic GPU's interpret mode needs 0.11)"
     if jax.default_backend() == "gpu":
         cc = getattr(jax.devices()[0], "compute_capability", "")
         if cc and not str(cc).startswith("9"):
@@ -132,8 +134,9 @@ def mla_decode(
         row b are read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
-      schedule: the split-KV plan (``pallas_triton.plan``, e.g. for ``num_programs``
-        programs); None runs each request whole in a program of its own.
+      schedule: the split-KV plan (``pallas_triton.schedule_splits``, e.g. for
+        ``num_programs`` programs in whole pages), or one cut to shorter lengths by
+        ``truncate_schedule``; None runs each request whole in a program of its own.
       config: compile options (default ``MosaicDecodeConfig()``).
       interpret: run in Mosaic GPU's interpret mode (default: off a GPU).
 
@@ -154,14 +157,15 @@ def mla_decode(
             interpret=interpret,
         )
     b, n, lkv = q_lat.shape
-    triton_config = pallas_triton.default_config(n, b)
+    triton_config = pallas_triton.DecodeConfig.for_shape(n, b)
     # The same checks and the same one-line errors as the Triton kernel.
     pallas_triton._check(q_lat, q_pe, kv_cache, block_table, seq_lens, triton_config.block_h)
     pallas_triton._check_values(kv_cache, block_table, seq_lens)
     if interpret is None:
         interpret = online_softmax.interpret_default()
     heads = padded_heads(n)
-    combine_config = triton_config._replace(
+    combine_config = dataclasses.replace(
+        triton_config,
         combine_block_h=min(triton_config.combine_block_h, heads),
         combine_block_d=min(triton_config.combine_block_d, lkv),
     )
@@ -206,7 +210,6 @@ def _mla_decode(
         q_pe,
         kv_cache,
         block_table,
-        seq_lens,
         schedule,
         scale=scale,
         programs=programs,
@@ -231,7 +234,6 @@ def _decode_call(
     q_pe,
     kv_cache,
     block_table,
-    seq_lens,
     schedule,
     *,
     scale,
@@ -283,7 +285,7 @@ def _decode_call(
         schedule.item_req,
         schedule.item_start,
         schedule.item_end,
-        seq_lens,
+        schedule.req_items,
         block_table,
         q_lat,
         q_pe,
@@ -296,7 +298,7 @@ def _kernel(
     item_req_ref,
     item_start_ref,
     item_end_ref,
-    seq_lens_ref,
+    req_items_ref,
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
@@ -527,7 +529,9 @@ def _kernel(
             lse = jnp.where(
                 nonempty, m * online_softmax.LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf
             )
-            whole = (start == 0) & (end == seq_lens_ref[req])
+            # A request of one item is whole (the combine kernel's rule): its output goes
+            # straight to out.
+            whole = req_items_ref[req + 1] - req_items_ref[req] == 1
 
             @pl.when(whole)
             def _():

@@ -3,9 +3,9 @@
 Every decode query is MQA over the latent cache: keys ``[kv_c, k_pe]`` (576 = 512 + 64 wide,
 loaded as two power-of-two tiles), values ``kv_c``. As in FlashMLA, a fixed number of
 programs per block of heads (a multiple of the multiprocessor count) each take an equal
-share of the batch's KV tokens, whatever the mix of lengths: ``plan`` cuts the token stream
-of the batch at request and share boundaries into *items* (a contiguous KV range of one
-request) and hands each program its consecutive items. Every token is read straight from
+share of the batch's KV tokens, whatever the mix of lengths: ``schedule_splits`` cuts the
+token stream of the batch at request and share boundaries into *items* (a contiguous KV range
+of one request) and hands each program its consecutive items. Every token is read straight from
 the paged cache through the block table, once per block of heads. An item that covers a
 whole request writes the final output; the items of split requests leave float32 partial
 results that a second kernel LSE-merges.
@@ -24,6 +24,7 @@ group).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import NamedTuple
@@ -39,19 +40,28 @@ from .. import fp8, online_softmax
 DEFAULT_NUM_SMS = 132  # H100 / H200
 
 
-class DecodeConfig(NamedTuple):
-    """Launch parameters of the decode kernels."""
+def padded_heads(num_heads: int) -> int:
+    """Heads the kernel runs: N rounded up to a multiple of 16, the fewest rows of a dot.
+    The padding heads get zero queries and are dropped from the output."""
+    return -(-num_heads // 16) * 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernels; ``for_shape`` picks them for a batch, and
+    ``dataclasses.replace`` makes variants. The defaults suit bandwidth-bound blocks of
+    fewer than 64 heads in small batches."""
 
     block_h: int  # heads per program
-    block_k: int  # KV tokens per step
-    num_warps: int
-    num_stages: int
-    programs_per_sm: int  # decode programs per multiprocessor (all blocks of heads)
-    combine_block_h: int  # merge kernel: heads, latent dims and items per step
-    combine_block_d: int
-    combine_block_items: int
+    block_k: int = 64  # KV tokens per step
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 1  # decode programs per multiprocessor (all blocks of heads)
+    combine_block_h: int = 16  # merge kernel: heads, latent dims and items per step
+    combine_block_d: int = 128
+    combine_block_items: int = 4
     # Where an item's last, partial step is masked: False, in every step of one loop; True,
-    # full steps unmasked and the last one in a branch (see default_config).
+    # full steps unmasked and the last one in a branch (see for_shape).
     split_tail: bool = False
     # Load step j + 1's tiles before step j's math, carried in registers, instead of leaving
     # the overlap to Triton's pipeliner (which may not pipeline loads that are converted
@@ -64,38 +74,36 @@ class DecodeConfig(NamedTuple):
     # probabilities x scales below 2^-14 lose precision (float16's subnormals).
     fp8_compute: str = "bfloat16"
 
-
-def padded_heads(num_heads: int) -> int:
-    """Heads the kernel runs: N rounded up to a multiple of 16, the fewest rows of a dot.
-    The padding heads get zero queries and are dropped from the output."""
-    return -(-num_heads // 16) * 16
-
-
-def default_config(num_heads: int, batch: int) -> DecodeConfig:
-    """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads (a power of
-    two dividing the padded N) share a program: a [64, 512] float32 accumulator is what 8
-    warps' registers hold. 64-head blocks are compute-bound and want a deep pipeline. Smaller head
-    blocks are bandwidth-bound: large batches want two programs per multiprocessor, small
-    ones fewer splits to merge. The merge kernel takes many items per step when few
-    requests are each split many ways, and many heads per step otherwise."""
-    heads = padded_heads(num_heads)
-    block_h = min(heads & -heads, 64)  # a power of two (Triton) that divides the heads
-    if block_h == 64:
-        main = (64, 8, 3, 1)
-    elif batch >= 32:
-        main = (64, 4, 2, 2)
-    else:
-        main = (64, 4, 3, 1)
-    splits_per_request = DEFAULT_NUM_SMS * main[3] // max(batch, 1)
-    combine = (1, 64, 64) if splits_per_request >= 32 else (16, 128, 4)
-    # Compute-bound 64-head blocks gain ~3% from unmasked full steps with the partial step
-    # in a branch; bandwidth-bound blocks lose 10-20% to that branch and keep one masked
-    # loop instead (H200, same-run A/B, 2026-11-22).
-    return DecodeConfig(block_h, *main, *combine, split_tail=block_h == 64)
+    @classmethod
+    def for_shape(cls, num_heads: int, batch: int) -> DecodeConfig:
+        """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads (a power
+        of two dividing the padded N) share a program: a [64, 512] float32 accumulator is
+        what 8 warps' registers hold. 64-head blocks are compute-bound and want a deep
+        pipeline. Smaller head blocks are bandwidth-bound: large batches want two programs
+        per multiprocessor, small ones fewer splits to merge. The merge kernel takes many
+        items per step when few requests are each split many ways, and many heads per step
+        otherwise."""
+        heads = padded_heads(num_heads)
+        block_h = min(heads & -heads, 64)  # a power of two (Triton) that divides the heads
+        # Compute-bound 64-head blocks gain from unmasked full steps with the partial step in
+        # a branch; bandwidth-bound blocks lose more to that branch than they gain and keep
+        # one masked loop instead.
+        if block_h == 64:
+            config = cls(block_h, num_warps=8, split_tail=True)
+        elif batch >= 32:
+            config = cls(block_h, num_stages=2, programs_per_sm=2)
+        else:
+            config = cls(block_h)
+        splits_per_request = DEFAULT_NUM_SMS * config.programs_per_sm // max(batch, 1)
+        if splits_per_request >= 32:
+            config = dataclasses.replace(
+                config, combine_block_h=1, combine_block_d=64, combine_block_items=64
+            )
+        return config
 
 
 def num_programs(config: DecodeConfig, num_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """Decode programs per block of heads (what ``plan`` schedules for)."""
+    """Decode programs per block of heads (what ``schedule_splits`` schedules for)."""
     head_blocks = padded_heads(num_heads) // config.block_h
     return max(1, num_sms * config.programs_per_sm // head_blocks)
 
@@ -112,7 +120,7 @@ class DecodeSchedule(NamedTuple):
     req_items: jax.Array  # [B + 1] int32
 
 
-def plan(
+def schedule_splits(
     seq_lens: np.ndarray,
     *,
     num_programs: int,
@@ -152,6 +160,18 @@ def plan(
         fill(ends - cum[req]),
         req_items.astype(np.int32),
     )
+
+
+def truncate_schedule(schedule: DecodeSchedule, seq_lens: jax.Array) -> DecodeSchedule:
+    """``schedule`` (built for longer lengths) cut to ``seq_lens [B]`` keys per request, on
+    the device: each item ends at most at its request's length, items past it become empty.
+    A multi-step decode builds one schedule for its window's last lengths and cuts it for
+    each step; the kernel reads only ``[item_start, item_end)`` and decides whether a request
+    is whole by its item count, so a cut schedule reads no key past a request's length and
+    combines its items as the uncut one would."""
+    item_end = jnp.minimum(schedule.item_end, seq_lens[schedule.item_req])
+    item_start = jnp.minimum(schedule.item_start, item_end)
+    return schedule._replace(item_start=item_start, item_end=item_end)
 
 
 def max_items(batch: int, num_programs: int) -> int:
@@ -236,7 +256,7 @@ def _decode_kernel(
     item_req_ref,
     item_start_ref,
     item_end_ref,
-    seq_lens_ref,
+    req_items_ref,
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
@@ -335,7 +355,9 @@ def _decode_kernel(
         else:
             state = jax.lax.fori_loop(0, num_steps, functools.partial(step, masked=True), state)
         out, lse = online_softmax.finalize(state)
-        whole = (start == 0) & (end == seq_lens_ref[req])
+        # A request of one item is whole: its output goes straight to out (the combine
+        # kernel leaves such requests alone, by the same count).
+        whole = req_items_ref[req + 1] - req_items_ref[req] == 1
 
         @pl.when(whole)
         def _():
@@ -501,15 +523,17 @@ def mla_decode(
         hold anything (-1, a stale id), and cache rows past ``seq_lens[b]`` are never read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
-      schedule: the split-KV plan (``plan``, built on the host from the metadata); None
-        runs each request whole in a program of its own.
-      config: launch parameters (default: ``default_config(N, B)``).
+      schedule: the split-KV plan (``schedule_splits``, built on the host with the metadata
+        by ``KernelPlan.decode_schedule``), or one built for longer lengths and cut to
+        ``seq_lens`` by ``truncate_schedule``; None runs each request whole in a program of
+        its own.
+      config: launch parameters (default: ``DecodeConfig.for_shape(N, B)``).
 
     Returns:
       ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
     """
     b, n = q_lat.shape[:2] if q_lat.ndim == 3 else (0, 0)
-    config = config or default_config(n, b)
+    config = config or DecodeConfig.for_shape(n, b)
     _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
     if config.prefetch and config.split_tail:
@@ -520,7 +544,8 @@ def mla_decode(
         )
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config._replace(
+    config = dataclasses.replace(
+        config,
         combine_block_h=min(config.combine_block_h, padded_heads(n)),
         combine_block_d=min(config.combine_block_d, online_softmax.tile_width(q_lat.shape[-1])),
     )
@@ -586,7 +611,7 @@ def _mla_decode(
         schedule.item_req,
         schedule.item_start,
         schedule.item_end,
-        seq_lens,
+        schedule.req_items,
         block_table,
         q_lat,
         q_pe,

@@ -1,19 +1,16 @@
-"""The MoE grouped matmul: the Pallas kernel (Triton lowering) and its tile schedule."""
+"""The MoE grouped matmul: the Pallas kernel (Triton lowering), its tile schedule and its
+pure-jnp reference (``reference.grouped_matmul``, the same signature)."""
 
+from . import reference
 from .pallas_triton import (
     GroupedMatmulConfig,
-    TileSchedule,
-    default_config,
     grouped_matmul,
-    max_tiles,
-    plan,
+    schedule_row_tiles,
 )
 
 __all__ = [
+    "reference",
     "GroupedMatmulConfig",
-    "TileSchedule",
-    "default_config",
     "grouped_matmul",
-    "max_tiles",
-    "plan",
+    "schedule_row_tiles",
 ]

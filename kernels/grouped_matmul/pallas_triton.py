@@ -5,13 +5,13 @@ by group: group g owns rows ``[offset[g], offset[g] + group_sizes[g])``, ``offse
 exclusive cumulative sum of ``group_sizes``. Rows past the last group are padding and get 0.
 
 Rows are cut into tiles of ``block_m`` rows that never straddle two groups; the tile -> group
-schedule (``plan``) is built on the device with jnp under a static bound on the tile count
-(``max_tiles``), or on the host with NumPy. Each program computes one tile x ``block_n``
-output columns, looping over K in steps of ``block_k``. An empty group has no tile, so its
-weights are never read: at decode, where a few tokens pick a few experts, only the chosen
-experts' weights move. Unlike ``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul
-over every group (24 TFLOP/s where a dense matmul runs at 821, H100, jax 0.11.2), the work
-here is proportional to the rows.
+schedule (``schedule_row_tiles``, the shared ``tiling`` planner) is built on the device with
+jnp under a static bound on the tile count (``tiling.max_tiles``), or on the host with NumPy.
+Each program computes one tile x ``block_n`` output columns, looping over K in steps of
+``block_k``. An empty group has no tile, so its weights are never read: at decode, where a
+few tokens pick a few experts, only the chosen experts' weights move. Unlike
+``jax.lax.ragged_dot``, which on GPUs lowers to a dense matmul over every group (every row
+times every group's matrix), the work here is proportional to the rows.
 
 Programs run n-block-fastest (grid ``(n_blocks, tiles)``): the programs in flight share a few
 row tiles (kept in L2 across their n-blocks) and one expert's weights (kept in L2 across its
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,152 +29,125 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import online_softmax
-
-# The smallest tile along any dot dimension (a Triton dot operand is at least 16 wide).
-_MIN_TILE = 16
+from .. import fp8_blocks, matmul_steps, online_softmax, tiling
 
 
-class GroupedMatmulConfig(NamedTuple):
-    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16)."""
-
-    block_m: int  # rows per tile (a tile holds rows of one group)
-    block_n: int  # output columns per program
-    block_k: int  # reduction depth per step
-    num_warps: int
-    num_stages: int
-
-
-def default_config(num_rows: int, num_groups: int) -> GroupedMatmulConfig:
-    """Launch parameters by the mean rows per group (static shapes only, so it works under
-    jit). Few rows per group (decode: batch x top-k spread over the experts) is a stream of
-    weights: 16-row tiles, so that one tile covers an expert's tokens and its weights are read
-    once, with deep K steps and a deep pipeline. Many rows (prefill) is compute: 128 x 128
-    tiles, 256 columns wide (the fastest of ``scripts/bench_moe.py --sweep``'s prefill variants
-    on an H200, 2026-11-22: 468 TFLOP/s against 441 for 128 wide; its decode variants were
-    within 3% of each other)."""
-    rows_per_group = num_rows / max(num_groups, 1)
-    if rows_per_group <= 16:
-        return GroupedMatmulConfig(16, 128, 128, num_warps=4, num_stages=4)
-    if rows_per_group <= 64:
-        return GroupedMatmulConfig(64, 128, 64, num_warps=4, num_stages=4)
-    return GroupedMatmulConfig(128, 256, 64, num_warps=8, num_stages=3)
-
-
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """Row tile ``t`` covers rows ``[tile_start[t], tile_end[t])`` of group ``tile_group[t]``
-    (``G``, one past the last group, for the padding rows after the groups, which get 0);
-    tiles past the real ones are empty and do nothing. ``block_m`` is the tile height the
-    kernel runs with."""
+class GroupedMatmulConfig:
+    """Launch parameters of the grouped matmul kernel (powers of two, each >= 16);
+    ``for_shape`` picks them for a shape, ``dataclasses.replace`` makes variants. The
+    defaults suit many rows per group (prefill: compute-bound)."""
 
-    tile_group: jax.Array  # [num_tiles] int32
-    tile_start: jax.Array  # [num_tiles] int32
-    tile_end: jax.Array  # [num_tiles] int32
-    block_m: int = dataclasses.field(metadata={"static": True})
+    block_m: int = 128  # rows per tile (a tile holds rows of one group)
+    block_n: int = 256  # output columns per program
+    block_k: int = 64  # reduction depth per step
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def for_shape(cls, num_rows: int, num_groups: int) -> GroupedMatmulConfig:
+        """Launch parameters by the mean rows per group (static shapes only, so it works
+        under jit). Few rows per group (decode: batch x top-k spread over the experts) is a
+        stream of weights: 16-row tiles, so that one tile covers an expert's tokens and its
+        weights are read once, with deep K steps and a deep pipeline. Many rows (prefill) is
+        compute: 128-row tiles 256 columns wide (the fastest of ``scripts/bench_moe.py
+        --sweep``'s prefill variants; its decode variants ran about even)."""
+        rows_per_group = num_rows / max(num_groups, 1)
+        if rows_per_group <= 16:
+            return cls(16, 128, 128, num_warps=4, num_stages=4)
+        if rows_per_group <= 64:
+            return cls(64, 128, 64, num_warps=4, num_stages=4)
+        return cls()
 
 
-def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
-    """A static bound on the tile count: ``G + 1`` segments (the groups and the padding after
-    them) of ``num_rows`` rows in all make at most ``cdiv(num_rows, block_m) + G`` tiles."""
-    return -(-num_rows // block_m) + num_groups
-
-
-def plan(group_sizes, num_rows: int, block_m: int, *, num_tiles=None, xp=np) -> TileSchedule:
-    """Tiles of ``block_m`` rows per group, in group order, then the padding rows. ``xp=np``
-    on the host (``num_tiles`` defaults to the exact count) or ``xp=jnp`` traced, with
-    ``num_tiles`` a static bound (``max_tiles``). Group sizes past ``num_rows`` rows are cut
-    at ``num_rows``."""
+def schedule_row_tiles(
+    group_sizes, num_rows: int, rows_per_tile: int, *, num_tiles: int | None = None, xp=np
+) -> tiling.TileSchedule:
+    """The row tiles of groups of ``group_sizes [G]`` rows (and of the padding rows after
+    them up to ``num_rows``): ``rows_per_tile`` rows of one group each, in group order. Group
+    sizes past ``num_rows`` rows are cut at ``num_rows``. ``xp=np`` on the host, or ``xp=jnp``
+    traced with ``num_tiles`` a static bound (``tiling.max_tiles(num_rows, G,
+    rows_per_tile)``)."""
     sizes = xp.asarray(group_sizes).astype(xp.int32)
     ends = xp.minimum(xp.cumsum(sizes).astype(xp.int32), num_rows)
-    starts = xp.concatenate([xp.zeros(1, xp.int32), ends])  # G + 1 segments: groups, padding
-    ends = xp.concatenate([ends, xp.full(1, num_rows, xp.int32)])
-    counts = -(-(ends - starts) // block_m)
-    first = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
-    if num_tiles is None:
-        num_tiles = int(first[-1])
-    t = xp.arange(num_tiles, dtype=xp.int32)
-    seg = xp.clip(xp.searchsorted(first, t, side="right") - 1, 0, counts.shape[0] - 1)
-    real = t < first[-1]
-    lo = xp.where(real, starts[seg] + (t - first[seg]) * block_m, 0)
-    hi = xp.where(real, xp.minimum(lo + block_m, ends[seg]), 0)
-    return TileSchedule(seg.astype(xp.int32), lo.astype(xp.int32), hi.astype(xp.int32), block_m)
+    offsets = xp.concatenate([xp.zeros(1, xp.int32), ends])
+    return tiling.schedule_tiles(offsets, num_rows, rows_per_tile, num_tiles=num_tiles, xp=xp)
 
 
 def _grouped_matmul_kernel(
-    tile_group_ref,
+    tile_segment_ref,
     tile_start_ref,
     tile_end_ref,
     group_offset_ref,
     lhs_ref,
     rhs_ref,
-    out_ref,
-    *,
+    *rest,
     num_groups: int,
+    depth: int,
+    width: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    blocks: fp8_blocks.Fp8Blocks | None,
 ):
-    """One row tile x ``block_n`` output columns."""
+    """One row tile x ``block_n`` output columns (``rest``: rhs's scales with ``blocks``,
+    then the output)."""
+    scale_ref, out_ref = rest if blocks is not None else (None, *rest)
     j, t = pl.program_id(0), pl.program_id(1)
-    _, depth, width = rhs_ref.shape
-    g, r0, r1 = tile_group_ref[t], tile_start_ref[t], tile_end_ref[t]
+    g, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
-    # store zeros where they own rows; no weight of any group is read for them.
+    # store zeros where they own rows; no weight (or scale) of any group is read for them.
     has_group = (g < num_groups) & (r0 < r1)
     g = group_offset_ref[0] + jnp.minimum(g, num_groups - 1)
-    rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
-    row_ok = rows < r1
+    row_ok = r0 + jnp.arange(block_m, dtype=jnp.int32) < r1
     n0 = j * block_n
-    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
-    col_ok = cols < width
-
-    def step(s, acc, *, tail: bool):
-        """One ``block_k`` slice of the reduction; ``tail``: the last, partial slice."""
-        k0 = s * block_k
-        lhs_mask = row_ok[:, None]
-        rhs_mask = col_ok[None, :] if width % block_n else None
-        if tail:
-            k_ok = k0 + jnp.arange(block_k, dtype=jnp.int32) < depth
-            lhs_mask = lhs_mask & k_ok[None, :]
-            rhs_mask = k_ok[:, None] if rhs_mask is None else rhs_mask & k_ok[:, None]
-        a = plgpu.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0)
-        b_ref = rhs_ref.at[g, pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=0)
-        return acc + online_softmax.dot(a, b)
-
-    # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and
-    # a Python int beside a weakly typed jnp.where lowered to mixed ones.
-    full_steps = depth // block_k
-    zero = jnp.int32(0)
-    acc = jnp.zeros((block_m, block_n), jnp.float32)
-    acc = jax.lax.fori_loop(
-        zero,
-        jnp.where(has_group, jnp.int32(full_steps), zero),
-        functools.partial(step, tail=False),
-        acc,
+    steps = jnp.int32(pl.cdiv(depth, block_k))
+    acc = matmul_steps.accumulate(
+        lhs_ref,
+        rhs_ref,
+        scale_ref,
+        r0=r0,
+        row_ok=row_ok,
+        n0=n0,
+        lead=(g,),
+        begin=jnp.int32(0),
+        end=jnp.where(has_group, steps, jnp.int32(0)),
+        depth=depth,
+        width=width,
+        block_k=block_k,
+        block_n=block_n,
+        blocks=blocks,
     )
-    if depth % block_k:
-        acc = jax.lax.fori_loop(
-            jnp.int32(full_steps),
-            jnp.where(has_group, jnp.int32(full_steps + 1), jnp.int32(full_steps)),
-            functools.partial(step, tail=True),
-            acc,
-        )
+    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     plgpu.store(
         out_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
         acc.astype(out_ref.dtype),
-        mask=row_ok[:, None] & col_ok[None, :],
+        mask=row_ok[:, None] & (cols < width)[None, :],
     )
 
 
-def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset) -> None:
+def check(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset,
+    rhs_scale_inv: jax.Array | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
+) -> None:
+    """The kernel's (and its reference's) input checks: ValueError in one line naming the
+    argument."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"lhs {lhs.shape} must be [M, K] and rhs {rhs.shape} [G, K, N]")
-    if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float32):
+    if lhs.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"lhs must be bfloat16 or float32, got {lhs.dtype}")
+    if (rhs_scale_inv is None) != (blocks is None):
+        raise ValueError("rhs_scale_inv and blocks go together (an FP8 rhs needs both)")
+    if blocks is not None:
+        blocks.check(rhs, rhs_scale_inv, "rhs")
+    elif rhs.dtype != lhs.dtype:
         raise ValueError(
-            f"lhs and rhs must both be bfloat16 or float32, got {lhs.dtype}, {rhs.dtype}"
+            f"lhs and rhs must both be bfloat16 or float32 (or rhs float8_e4m3fn with "
+            f"rhs_scale_inv), got {lhs.dtype}, {rhs.dtype}"
         )
     if (
         group_sizes.ndim != 1
@@ -210,7 +182,9 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     group_offset: int | jax.Array = 0,
-    schedule: TileSchedule | None = None,
+    rhs_scale_inv: jax.Array | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
+    schedule: tiling.TileSchedule | None = None,
     config: GroupedMatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -218,74 +192,96 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` rows sorted by group (bf16 or f32).
-      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype; group g's rows
-        multiply ``rhs[group_offset + g]``.
+      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype, or float8_e4m3fn
+        with ``rhs_scale_inv``; group g's rows multiply ``rhs[group_offset + g]``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
         A stacked model passes every layer's experts (``[L * E, K, N]``, a free reshape) and
         ``layer * E``: slicing one layer's experts out under a scan would copy them each step.
-      schedule: the row tiles (``plan``; its ``block_m`` wins); None plans them on the
-        device, up to the static bound ``max_tiles``.
-      config: launch parameters (default: ``default_config(M, G)``); block sizes larger than
-        a dimension shrink to the power of two that fits it (at least 16).
+      rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', cdiv(K, block_in),
+        ...]`` (``fp8_blocks.Fp8Blocks.scale_shape``); each weight tile is dequantized into
+        lhs's dtype in registers. blocks: their block sizes (static).
+      schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
+        ``config.block_m``); None plans them on the device, up to the static bound
+        ``tiling.max_tiles``.
+      config: launch parameters (default: ``GroupedMatmulConfig.for_shape(M, G)``); block
+        sizes larger than a dimension shrink to the power of two that fits it (at least 16).
 
     Returns:
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
       of group g, 0 for the rows after the last group.
     """
-    _check(lhs, rhs, group_sizes, group_offset)
+    check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config or default_config(lhs.shape[0], group_sizes.shape[0])
+    config = config or GroupedMatmulConfig.for_shape(lhs.shape[0], group_sizes.shape[0])
     if schedule is not None:
-        config = config._replace(block_m=schedule.block_m)
+        config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     return _grouped_matmul(
-        lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        rhs_scale_inv,
+        schedule,
+        blocks=blocks,
+        config=config,
+        interpret=interpret,
     )
 
 
-def _fit(block: int, dim: int) -> int:
-    """``block`` shrunk to the largest power of two <= ``dim`` (at least 16), so that a block
-    never outgrows its axis; an axis under 16 is zero-padded to 16."""
-    return max(_MIN_TILE, min(block, 1 << (dim.bit_length() - 1)))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, interpret):
+@functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
+def _grouped_matmul(
+    lhs, rhs, group_sizes, group_offset, rhs_scale_inv, schedule, *, blocks, config, interpret
+):
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
     n = rhs.shape[2]
-    block_n, block_k = _fit(config.block_n, n), _fit(config.block_k, k)
+    block_n = matmul_steps.fit_block(config.block_n, n)
+    block_k = matmul_steps.fit_block(config.block_k, k)
     if schedule is None:
-        schedule = plan(
+        schedule = schedule_row_tiles(
             group_sizes,
             m,
             config.block_m,
-            num_tiles=max_tiles(m, num_groups, config.block_m),
+            num_tiles=tiling.max_tiles(m, num_groups, config.block_m),
             xp=jnp,
         )
-    block_m = schedule.block_m
+    block_m = schedule.rows_per_tile
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
-    lhs = online_softmax.pad_to(lhs, (rows, max(k, _MIN_TILE)))
-    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, _MIN_TILE), max(n, _MIN_TILE)))
+    tile = matmul_steps.MIN_TILE
+    lhs = online_softmax.pad_to(lhs, (rows, max(k, tile)))
+    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _grouped_matmul_kernel,
         num_groups=num_groups,
+        depth=k,
+        width=n,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
+        blocks=blocks,
     )
+    scales = () if blocks is None else (rhs_scale_inv,)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(rhs.shape[2], block_n), schedule.tile_group.shape[0]),
+        grid=(pl.cdiv(n, block_n), schedule.tile_segment.shape[0]),
         out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), lhs.dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         interpret=interpret,
         name="grouped_matmul",
-    )(schedule.tile_group, schedule.tile_start, schedule.tile_end, group_offset, lhs, rhs)
+    )(
+        schedule.tile_segment,
+        schedule.tile_start,
+        schedule.tile_end,
+        group_offset,
+        lhs,
+        rhs,
+        *scales,
+    )
     return out[:m, :n]

@@ -8,6 +8,7 @@ A width that is not a power of two (a Triton tile) is zero-padded to one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,6 +17,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .. import online_softmax
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """Launch parameters of the merge kernel (``dataclasses.replace`` makes variants)."""
+
+    block_rows: int = 64  # (token, head) rows per program
+    num_warps: int = 4
 
 
 def _merge_kernel(
@@ -49,13 +58,13 @@ def merge_attn_states(
     suffix_out: jax.Array,
     suffix_lse: jax.Array,
     *,
-    block_rows: int = 64,
-    num_warps: int = 4,
+    config: MergeConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``out [T, N, D]`` and ``lse [T, N]`` float32 (natural log) on each side -> the merged
     ``(out, lse)``; out in prefix_out's dtype (the sides' dtypes may differ: a float32
-    prefix accumulates bf16 suffixes without rounding)."""
+    prefix accumulates bf16 suffixes without rounding). ``config``: launch parameters
+    (default: ``MergeConfig()``)."""
     t, n, d = prefix_out.shape
     if (
         suffix_out.shape != prefix_out.shape
@@ -75,15 +84,15 @@ def merge_attn_states(
         prefix_lse,
         suffix_out,
         suffix_lse,
-        block_rows=block_rows,
-        num_warps=num_warps,
+        config=config or MergeConfig(),
         interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "num_warps", "interpret"))
-def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, block_rows, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, config, interpret):
     t, n, d = prefix_out.shape
+    block_rows = config.block_rows
     rows, width = t * n, online_softmax.tile_width(d, minimum=1)
     prefix_out = online_softmax.pad_to(prefix_out, (t, n, width))
     suffix_out = online_softmax.pad_to(suffix_out, (t, n, width))
@@ -94,7 +103,7 @@ def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, block_rows, num_wa
             jax.ShapeDtypeStruct((rows, width), prefix_out.dtype),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="merge_attn_states",
     )(

@@ -1,24 +1,17 @@
 """Ragged causal (or full-context) flash attention with LSE: the Pallas kernel (Triton
-lowering) and its tile schedule."""
+lowering), its tile schedule and its pure-jnp reference (``reference.flash_prefill``, the same
+signature)."""
 
+from . import reference
 from .pallas_triton import (
-    DEFAULT_BLOCK_K,
-    DEFAULT_BLOCK_Q,
-    DEFAULT_NUM_STAGES,
-    DEFAULT_NUM_WARPS,
-    TileSchedule,
+    PrefillConfig,
     flash_prefill,
-    max_tiles,
-    plan,
+    schedule_query_tiles,
 )
 
 __all__ = [
-    "DEFAULT_BLOCK_K",
-    "DEFAULT_BLOCK_Q",
-    "DEFAULT_NUM_STAGES",
-    "DEFAULT_NUM_WARPS",
-    "TileSchedule",
+    "reference",
+    "PrefillConfig",
     "flash_prefill",
-    "max_tiles",
-    "plan",
+    "schedule_query_tiles",
 ]

@@ -5,9 +5,10 @@ processed as power-of-two pieces (Triton tiles). Other widths are zero-padded: q
 multiple of 16 (pieces of at least 16, a dot's depth), v to a power of two; DeepSeek's widths
 need no padding. Any head count runs (one head per program). Query rows are cut into tiles of
 ``block_q`` rows that never straddle two sequences; the tile -> sequence schedule comes from
-the host (``plan``), so that a batch of one long and many short prompts runs exactly the
-tiles it needs, heaviest first. Padding rows past the last sequence form a key-less segment:
-they get out 0 and lse -inf like any row without keys.
+the host (``schedule_query_tiles``, the shared ``tiling`` planner), so that a batch of one
+long and many short prompts runs exactly the tiles it needs, heaviest first. Padding rows
+past the last sequence form a key-less segment: they get out 0 and lse -inf like any row
+without keys.
 """
 
 from __future__ import annotations
@@ -21,59 +22,29 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import online_softmax
-
-# Tuned on an H200 (scripts/bench_prefill.py --sweep): 128 query rows, 64 keys per step,
-# 8 warps, a 3-deep pipeline.
-DEFAULT_BLOCK_Q = 128
-DEFAULT_BLOCK_K = 64
-DEFAULT_NUM_WARPS = 8
-DEFAULT_NUM_STAGES = 3
+from .. import online_softmax, tiling
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """Query tile ``t`` covers rows ``[tile_start[t], tile_end[t])`` of sequence
-    ``tile_seq[t]`` (``S``, one past the last sequence, for padding rows); tiles past the real
-    ones are empty and do nothing. ``block_q`` is the tile height the kernel runs with."""
+class PrefillConfig:
+    """Launch parameters of the prefill kernel (``dataclasses.replace`` makes variants). The
+    defaults are tuned on an H200 (``scripts/bench_prefill.py --sweep``)."""
 
-    tile_seq: jax.Array  # [num_tiles] int32
-    tile_start: jax.Array  # [num_tiles] int32
-    tile_end: jax.Array  # [num_tiles] int32
-    block_q: int = dataclasses.field(metadata={"static": True})
-
-
-def max_tiles(num_rows: int, num_seqs: int, block_q: int) -> int:
-    """A static bound on the tile count: every sequence (and the padding) adds at most one
-    partial tile."""
-    return -(-num_rows // block_q) + num_seqs + 1
+    block_q: int = 128  # query rows per tile (a host schedule's rows_per_tile wins)
+    block_k: int = 64  # keys per step
+    num_warps: int = 8
+    num_stages: int = 3
 
 
-def plan(cu_seqlens_q, num_rows: int, block_q: int, *, num_tiles=None, xp=np) -> TileSchedule:
-    """Tiles of ``block_q`` rows per sequence (and for the padding after them), ordered by
-    descending causal work (row offset within the sequence), so that the longest tiles
-    start first. ``xp=np`` on the host (``num_tiles`` defaults to the exact count) or
-    ``xp=jnp`` traced, with ``num_tiles`` a static bound (``max_tiles``)."""
-    cu = xp.asarray(cu_seqlens_q).astype(xp.int32)
-    starts = xp.concatenate([cu[:-1], cu[-1:]])
-    ends = xp.concatenate([cu[1:], xp.full(1, num_rows, xp.int32)])
-    counts = -(-(ends - starts) // block_q)
-    first = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
-    if num_tiles is None:
-        num_tiles = int(first[-1])
-    t = xp.arange(num_tiles, dtype=xp.int32)
-    seg = xp.clip(xp.searchsorted(first, t, side="right") - 1, 0, counts.shape[0] - 1)
-    real = t < first[-1]
-    offset = (t - first[seg]) * block_q
-    lo = xp.where(real, starts[seg] + offset, 0)
-    hi = xp.where(real, xp.minimum(lo + block_q, ends[seg]), 0)
-    order = xp.argsort(-xp.where(real, offset, -1), stable=True)  # heaviest first, padding last
-    return TileSchedule(
-        seg[order].astype(xp.int32),
-        lo[order].astype(xp.int32),
-        hi[order].astype(xp.int32),
-        block_q,
+def schedule_query_tiles(
+    cu_seqlens_q, num_rows: int, rows_per_tile: int, *, num_tiles: int | None = None, xp=np
+) -> tiling.TileSchedule:
+    """The query tiles of ``cu_seqlens_q [S + 1]`` (and of the padding rows after them up to
+    ``num_rows``): ``rows_per_tile`` rows of one sequence each, heaviest (latest causal rows)
+    first. ``xp=np`` on the host, or ``xp=jnp`` traced with ``num_tiles`` a static bound
+    (``tiling.max_tiles(num_rows, S, rows_per_tile)``)."""
+    return tiling.schedule_tiles(
+        cu_seqlens_q, num_rows, rows_per_tile, heaviest_first=True, num_tiles=num_tiles, xp=xp
     )
 
 
@@ -83,7 +54,7 @@ def _pieces(d: int) -> tuple[int, ...]:
 
 
 def _prefill_kernel(
-    tile_seq_ref,
+    tile_segment_ref,
     tile_start_ref,
     tile_end_ref,
     cu_q_ref,
@@ -102,7 +73,7 @@ def _prefill_kernel(
 ):
     """One query tile x one head."""
     t, h = pl.program_id(0), pl.program_id(1)
-    seg, r0, r1 = tile_seq_ref[t], tile_start_ref[t], tile_end_ref[t]
+    seg, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     num_seqs = cu_k_ref.shape[0] - 1
     has_keys = (seg < num_seqs) & (r0 < r1)
     s_idx = jnp.minimum(seg, num_seqs - 1)
@@ -202,11 +173,8 @@ def flash_prefill(
     *,
     scale: float,
     causal: bool,
-    schedule: TileSchedule | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = DEFAULT_NUM_STAGES,
+    schedule: tiling.TileSchedule | None = None,
+    config: PrefillConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged flash attention forward.
@@ -217,9 +185,10 @@ def flash_prefill(
       cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 offsets of the sequences.
       scale: softmax scale.
       causal: query i of a sequence sees its keys up to ``i + len_k - len_q``; otherwise all.
-      schedule: the query tiles (``plan``, from the host metadata; its ``block_q`` wins);
-        None plans tiles of ``block_q`` rows on the device, up to a static bound.
-      block_q, block_k: query rows and keys per step; num_warps, num_stages: Triton.
+      schedule: the query tiles (``schedule_query_tiles``, from the host metadata; its
+        ``rows_per_tile`` wins over ``config.block_q``); None plans tiles of
+        ``config.block_q`` rows on the device, up to a static bound.
+      config: launch parameters (default: ``PrefillConfig()``).
 
     Returns:
       ``out [Tq, N, Dv]`` in q's dtype and ``lse [Tq, N]`` float32 (natural log); rows
@@ -238,41 +207,14 @@ def flash_prefill(
         schedule,
         scale=scale,
         causal=causal,
-        block_q=block_q,
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        config=config or PrefillConfig(),
         interpret=interpret,
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "causal",
-        "block_q",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "config", "interpret"))
 def _flash_prefill(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    schedule,
-    *,
-    scale,
-    causal,
-    block_q,
-    block_k,
-    num_warps,
-    num_stages,
-    interpret,
+    q, k, v, cu_seqlens_q, cu_seqlens_k, schedule, *, scale, causal, config, interpret
 ):
     tq, n, dqk = q.shape
     dv = v.shape[-1]
@@ -281,14 +223,14 @@ def _flash_prefill(
     k = online_softmax.pad_to(k, (k.shape[0], n, qk_width))
     v = online_softmax.pad_to(v, (v.shape[0], n, online_softmax.tile_width(dv)))
     if schedule is None:
-        schedule = plan(
+        schedule = schedule_query_tiles(
             cu_seqlens_q,
             tq,
-            block_q,
-            num_tiles=max_tiles(tq, cu_seqlens_q.shape[0] - 1, block_q),
+            config.block_q,
+            num_tiles=tiling.max_tiles(tq, cu_seqlens_q.shape[0] - 1, config.block_q),
             xp=jnp,
         )
-    block_q = schedule.block_q
+    block_q, block_k = schedule.rows_per_tile, config.block_k
     if k.shape[0] < block_k:  # a whole block must be addressable (keys past cu_k are masked)
         pad = ((0, block_k - k.shape[0]), (0, 0), (0, 0))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
@@ -302,16 +244,18 @@ def _flash_prefill(
     )
     out, lse = pl.pallas_call(
         kernel,
-        grid=(schedule.tile_seq.shape[0], n),
+        grid=(schedule.tile_segment.shape[0], n),
         out_shape=(
             jax.ShapeDtypeStruct((tq, n, v.shape[-1]), q.dtype),
             jax.ShapeDtypeStruct((tq, n), jnp.float32),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
         interpret=interpret,
         name="flash_prefill",
     )(
-        schedule.tile_seq,
+        schedule.tile_segment,
         schedule.tile_start,
         schedule.tile_end,
         cu_seqlens_q,

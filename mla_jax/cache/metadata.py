@@ -24,8 +24,8 @@ import numpy as np
 
 from mla_jax import kernels
 from mla_jax.cache.latent_cache import PAD_SLOT
-from mla_jax.kernels import decode as decode_kernel
-from mla_jax.kernels import prefill as prefill_kernel
+from mla_jax.kernels.decode import DecodeSchedule
+from mla_jax.kernels.tiling import TileSchedule
 
 
 class MetadataError(ValueError):
@@ -156,7 +156,7 @@ class DecodeMetadata:
 
     block_table: np.ndarray  # [Bd, Wd] int32; entries past a request's need are never read
     seq_lens: np.ndarray  # [Bd] int32: context + this token; 0 on padding rows
-    schedule: decode_kernel.DecodeSchedule | None = None  # split-KV plan (Pallas)
+    schedule: DecodeSchedule | None = None  # split-KV plan (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -169,7 +169,7 @@ class PrefillMetadata:
     context_lens: np.ndarray  # [Bp] int32: tokens already in the cache
     block_table: np.ndarray  # [Bp, Wp] int32 (context blocks)
     chunks: ChunkedContext | None  # None when no prefill has cached context
-    schedule: prefill_kernel.TileSchedule | None = None  # query tiles (Pallas)
+    schedule: TileSchedule | None = None  # query tiles (Pallas)
 
 
 @jax.tree_util.register_dataclass
@@ -210,26 +210,30 @@ class AttentionMetadata:
         )
 
     def _rows(self, num_prefill_rows: int) -> np.ndarray:
-        nd = 0 if self.decode is None else int(np.count_nonzero(self.decode.seq_lens))
-        return np.concatenate([np.arange(nd), self.num_decode_tokens + np.arange(num_prefill_rows)])
+        """The real decode rows, then ``num_prefill_rows`` rows after the decode region."""
+        num_decodes = 0 if self.decode is None else int(np.count_nonzero(self.decode.seq_lens))
+        return np.concatenate(
+            [np.arange(num_decodes), self.num_decode_tokens + np.arange(num_prefill_rows)]
+        )
 
     def step_shape(self) -> StepShape:
         """The bucket this step compiles for."""
-        d, p = self.decode, self.prefill
-        c = None if p is None else p.chunks
+        decode, prefill = self.decode, self.prefill
+        chunks = None if prefill is None else prefill.chunks
         return StepShape(
             tokens=self.positions.shape[0],
-            decodes=0 if d is None else d.seq_lens.shape[0],
-            decode_blocks=0 if d is None else d.block_table.shape[1],
-            prefills=0 if p is None else p.seq_lens.shape[0],
-            prefill_blocks=0 if p is None else p.block_table.shape[1],
-            chunks=0 if c is None else c.starts.shape[0],
-            chunk_tokens=0 if c is None else c.workspace_size,
+            decodes=0 if decode is None else decode.seq_lens.shape[0],
+            decode_blocks=0 if decode is None else decode.block_table.shape[1],
+            prefills=0 if prefill is None else prefill.seq_lens.shape[0],
+            prefill_blocks=0 if prefill is None else prefill.block_table.shape[1],
+            chunks=0 if chunks is None else chunks.starts.shape[0],
+            chunk_tokens=0 if chunks is None else chunks.workspace_size,
         )
 
 
 class StepShape(NamedTuple):
-    """The padded sizes that select a step's compiled program."""
+    """The padded sizes that select a step's compiled program, and its decode steps (more
+    than one: a decode window, ``engine/runner.py``)."""
 
     tokens: int
     decodes: int
@@ -238,6 +242,14 @@ class StepShape(NamedTuple):
     prefill_blocks: int
     chunks: int
     chunk_tokens: int
+    steps: int = 1
+
+
+def is_decode(query_lens: int | np.ndarray) -> bool | np.ndarray:
+    """Whether a request running ``query_lens`` new tokens this step is a decode: one token
+    (a one-token prompt chunk runs as a decode too). Elementwise on an array of lengths. The
+    one definition of a decode, for the metadata, the packing and the engine."""
+    return query_lens == 1
 
 
 def build_metadata(
@@ -264,11 +276,13 @@ def build_metadata(
       kernel_plan: when given, also the Pallas kernels' work schedules (split-KV items,
         query tiles), sized by the buckets so that they add no compilations.
     """
-    ctx, qlen, bt = _validate(context_lens, query_lens, block_table, block_size, num_blocks)
-    return _build(
-        ctx,
-        qlen,
-        bt,
+    context_lens, query_lens, block_table = validate_step(
+        context_lens, query_lens, block_table, block_size, num_blocks
+    )
+    return build_validated(
+        context_lens,
+        query_lens,
+        block_table,
         block_size=block_size,
         num_blocks=num_blocks,
         workspace_size=workspace_size,
@@ -277,10 +291,10 @@ def build_metadata(
     )
 
 
-def _build(
-    ctx: np.ndarray,
-    qlen: np.ndarray,
-    bt: np.ndarray,
+def build_validated(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_table: np.ndarray,
     *,
     block_size: int,
     num_blocks: int,
@@ -288,70 +302,86 @@ def _build(
     buckets: Buckets,
     kernel_plan: kernels.KernelPlan | None,
 ) -> AttentionMetadata:
-    """``build_metadata`` on arrays ``_validate`` has checked and converted."""
-    num_reqs = ctx.shape[0]
-    seq_lens = ctx + qlen
-    nd = int(np.count_nonzero(qlen == 1))
-    npf = num_reqs - nd
-    n_tok = int(qlen.sum())
+    """``build_metadata`` on arrays ``validate_step`` has checked and converted (int64
+    lengths, decodes first)."""
+    num_requests = context_lens.shape[0]
+    seq_lens = context_lens + query_lens
+    num_decodes = int(np.count_nonzero(is_decode(query_lens)))
+    num_prefills = num_requests - num_decodes
+    num_new_tokens = int(query_lens.sum())
+    num_prefill_tokens = num_new_tokens - num_decodes
 
     # Position and cache slot of every new token.
-    cu = np.zeros(num_reqs + 1, np.int64)
-    np.cumsum(qlen, out=cu[1:])
-    req_of_tok = np.repeat(np.arange(num_reqs), qlen)
-    pos = ctx[req_of_tok] + (np.arange(n_tok) - cu[req_of_tok])
-    slots = bt[req_of_tok, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    query_offsets = np.zeros(num_requests + 1, np.int64)
+    np.cumsum(query_lens, out=query_offsets[1:])
+    request = np.repeat(np.arange(num_requests), query_lens)  # of each new token
+    token_positions = context_lens[request] + (np.arange(num_new_tokens) - query_offsets[request])
+    slots = (
+        block_table[request, token_positions // block_size].astype(np.int64) * block_size
+        + token_positions % block_size
+    )
     ordered = np.sort(slots)
     if (ordered[1:] == ordered[:-1]).any():
         raise MetadataError("two new tokens map to the same cache slot: block tables overlap")
 
-    bd = buckets.decodes(nd)
-    tp = buckets.prefill_tokens(n_tok - nd)
-    bp = buckets.prefills(npf)
-    positions = np.zeros(bd + tp, np.int32)
-    slot_mapping = np.full(bd + tp, PAD_SLOT, np.int32)
-    positions[:nd], slot_mapping[:nd] = pos[:nd], slots[:nd]
-    positions[bd : bd + n_tok - nd], slot_mapping[bd : bd + n_tok - nd] = pos[nd:], slots[nd:]
+    decode_bucket = buckets.decodes(num_decodes)
+    prefill_token_bucket = buckets.prefill_tokens(num_prefill_tokens)
+    prefill_bucket = buckets.prefills(num_prefills)
+    num_tokens = decode_bucket + prefill_token_bucket
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.full(num_tokens, PAD_SLOT, np.int32)
+    positions[:num_decodes] = token_positions[:num_decodes]
+    slot_mapping[:num_decodes] = slots[:num_decodes]
+    prefill_rows = slice(decode_bucket, decode_bucket + num_prefill_tokens)
+    positions[prefill_rows] = token_positions[num_decodes:]
+    slot_mapping[prefill_rows] = slots[num_decodes:]
 
-    logits_indices = np.zeros(bd + bp, np.int32)
-    logits_indices[:nd] = np.arange(nd)
-    logits_indices[bd : bd + npf] = bd + (cu[nd + 1 :] - nd) - 1
+    logits_indices = np.zeros(decode_bucket + prefill_bucket, np.int32)
+    logits_indices[:num_decodes] = np.arange(num_decodes)
+    logits_indices[decode_bucket : decode_bucket + num_prefills] = (
+        decode_bucket + (query_offsets[num_decodes + 1 :] - num_decodes) - 1
+    )
 
     decode = None
-    if nd:
-        d_lens = _pad(seq_lens[:nd], bd)
-        schedule = None
-        if kernel_plan is not None:
-            programs = kernel_plan.decode_programs(bd)
-            schedule = decode_kernel.plan(
-                d_lens,
-                num_programs=programs,
-                block_k=kernel_plan.decode_config(bd).block_k,
-                num_items=decode_kernel.max_items(bd, programs),
-            )
+    if num_decodes:
+        decode_seq_lens = _pad(seq_lens[:num_decodes], decode_bucket)
         decode = DecodeMetadata(
-            block_table=_pad_table(bt[:nd], seq_lens[:nd], bd, buckets, block_size),
-            seq_lens=d_lens,
-            schedule=schedule,
+            block_table=_pad_table(
+                block_table[:num_decodes],
+                seq_lens[:num_decodes],
+                decode_bucket,
+                buckets,
+                block_size,
+            ),
+            seq_lens=decode_seq_lens,
+            schedule=(
+                None if kernel_plan is None else kernel_plan.decode_schedule(decode_seq_lens)
+            ),
         )
     prefill = None
-    if npf:
-        p_ctx = ctx[nd:]
-        qsl = np.full(bp + 1, n_tok - nd, np.int32)
-        qsl[: npf + 1] = cu[nd:] - nd
-        schedule = None
-        if kernel_plan is not None:
-            block_q = kernel_plan.prefill_block_q
-            schedule = prefill_kernel.plan(
-                qsl, tp, block_q, num_tiles=prefill_kernel.max_tiles(tp, bp, block_q)
-            )
+    if num_prefills:
+        prefill_context_lens = context_lens[num_decodes:]
+        query_start = np.full(prefill_bucket + 1, num_prefill_tokens, np.int32)
+        query_start[: num_prefills + 1] = query_offsets[num_decodes:] - num_decodes
         prefill = PrefillMetadata(
-            query_start_loc=qsl,
-            seq_lens=_pad(seq_lens[nd:], bp),
-            context_lens=_pad(p_ctx, bp),
-            block_table=_pad_table(bt[nd:], p_ctx, bp, buckets, block_size),
-            chunks=_plan_chunks(_pad(p_ctx, bp), block_size, workspace_size, buckets),
-            schedule=schedule,
+            query_start_loc=query_start,
+            seq_lens=_pad(seq_lens[num_decodes:], prefill_bucket),
+            context_lens=_pad(prefill_context_lens, prefill_bucket),
+            block_table=_pad_table(
+                block_table[num_decodes:],
+                prefill_context_lens,
+                prefill_bucket,
+                buckets,
+                block_size,
+            ),
+            chunks=_plan_chunks(
+                _pad(prefill_context_lens, prefill_bucket), block_size, workspace_size, buckets
+            ),
+            schedule=(
+                None
+                if kernel_plan is None
+                else kernel_plan.prefill_schedule(query_start, prefill_token_bucket)
+            ),
         )
     return AttentionMetadata(
         positions=positions,
@@ -371,20 +401,20 @@ def _plan_chunks(
     each share rounded down to whole blocks; chunk c covers ``[c * share, (c + 1) * share)``.
     Chunks past the last needed one are empty (the module skips them); with no context at
     all there are none, unless the buckets fix their number."""
-    n_ctx = int(np.count_nonzero(context_lens))
-    if n_ctx == 0 and buckets.num_chunks is None:
+    num_with_context = int(np.count_nonzero(context_lens))
+    if num_with_context == 0 and buckets.num_chunks is None:
         return None
-    share = workspace_size // max(n_ctx, 1) // block_size * block_size
+    share = workspace_size // max(num_with_context, 1) // block_size * block_size
     if share == 0:
         raise MetadataError(
-            f"workspace_size {workspace_size} is too small for {n_ctx} prefills with cached "
-            f"context: it needs at least {n_ctx * block_size} rows (one block each)"
+            f"workspace_size {workspace_size} is too small for {num_with_context} prefills with "
+            f"cached context: it needs at least {num_with_context * block_size} rows (one block "
+            "each)"
         )
-    num_chunks = -(-int(context_lens.max()) // share)
-    c = buckets.chunks(num_chunks)
-    starts = np.arange(c, dtype=np.int64)[:, None] * share
+    num_chunks = buckets.chunks(-(-int(context_lens.max()) // share))
+    starts = np.arange(num_chunks, dtype=np.int64)[:, None] * share
     lens = np.clip(np.minimum(context_lens[None, :], starts + share) - starts, 0, None)
-    cu_seq_lens = np.zeros((c, context_lens.shape[0] + 1), np.int32)
+    cu_seq_lens = np.zeros((num_chunks, context_lens.shape[0] + 1), np.int32)
     np.cumsum(lens, axis=1, out=cu_seq_lens[:, 1:])
     totals = cu_seq_lens[:, -1].copy()
     return ChunkedContext(
@@ -402,89 +432,111 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def _pad_table(
-    bt: np.ndarray, lens: np.ndarray, rows: int, buckets: Buckets, block_size: int
+    block_table: np.ndarray, lens: np.ndarray, rows: int, buckets: Buckets, block_size: int
 ) -> np.ndarray:
-    """Rows of ``bt`` cut to the blocks ``lens`` needs, padded to buckets; the entries past
-    that are zeroed, though no kernel reads them."""
+    """Rows of ``block_table`` cut to the blocks ``lens`` needs, padded to buckets; the
+    entries past that are zeroed, though no kernel reads them."""
     needed = -(-lens // block_size)
     width = buckets.blocks(int(needed.max()) if needed.size else 1)
-    w = min(width, bt.shape[1])
+    columns = min(width, block_table.shape[1])
     out = np.zeros((rows, width), np.int32)
-    used = np.arange(w)[None, :] < needed[:, None]
-    out[: bt.shape[0], :w] = np.where(used, bt[:, :w], 0)
+    used = np.arange(columns)[None, :] < needed[:, None]
+    out[: block_table.shape[0], :columns] = np.where(used, block_table[:, :columns], 0)
     return out
 
 
-def _validate(context_lens, query_lens, block_table, block_size, num_blocks, *, decodes_first=True):
+def validate_step(
+    context_lens, query_lens, block_table, block_size: int, num_blocks: int, *, decodes_first=True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The checks of ``build_metadata``, errors naming requests by their index here;
-    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``)."""
-    ctx = np.asarray(context_lens)
-    qlen = np.asarray(query_lens)
-    bt = np.asarray(block_table)
-    if ctx.ndim != 1 or qlen.shape != ctx.shape or ctx.shape[0] == 0:
+    ``decodes_first=False`` for requests in a caller's order (``packing.packed_metadata``).
+    Returns ``context_lens [R]`` and ``query_lens [R]`` as int64 and ``block_table [R, W]``
+    as given, for ``build_validated``."""
+    context_lens = np.asarray(context_lens)
+    query_lens = np.asarray(query_lens)
+    block_table = np.asarray(block_table)
+    if (
+        context_lens.ndim != 1
+        or query_lens.shape != context_lens.shape
+        or context_lens.shape[0] == 0
+    ):
         raise MetadataError(
-            f"context_lens {ctx.shape} and query_lens {qlen.shape} must be equal, non-empty 1-D"
+            f"context_lens {context_lens.shape} and query_lens {query_lens.shape} must be "
+            "equal, non-empty 1-D"
         )
-    if bt.ndim != 2 or bt.shape[0] != ctx.shape[0]:
-        raise MetadataError(f"block_table must be [num_requests={ctx.shape[0]}, W], got {bt.shape}")
-    for name, a in (("context_lens", ctx), ("query_lens", qlen), ("block_table", bt)):
+    if block_table.ndim != 2 or block_table.shape[0] != context_lens.shape[0]:
+        raise MetadataError(
+            f"block_table must be [num_requests={context_lens.shape[0]}, W], got "
+            f"{block_table.shape}"
+        )
+    for name, a in (
+        ("context_lens", context_lens),
+        ("query_lens", query_lens),
+        ("block_table", block_table),
+    ):
         if not np.issubdtype(a.dtype, np.integer):
             raise MetadataError(f"{name} must hold integers, got dtype {a.dtype}")
     if block_size <= 0:
         raise MetadataError(f"block_size must be positive, got {block_size}")
-    _check(ctx >= 0, "context_lens must be >= 0", ctx)
-    _check(qlen >= 1, "query_lens must be >= 1", qlen)
-    ctx, qlen = ctx.astype(np.int64), qlen.astype(np.int64)
-    is_decode = qlen == 1
-    nd = int(np.count_nonzero(is_decode))
+    _check(context_lens >= 0, "context_lens must be >= 0", context_lens)
+    _check(query_lens >= 1, "query_lens must be >= 1", query_lens)
+    context_lens, query_lens = context_lens.astype(np.int64), query_lens.astype(np.int64)
+    decodes = is_decode(query_lens)
+    num_decodes = int(np.count_nonzero(decodes))
     if decodes_first:
-        _check(is_decode[:nd], "decode requests (query_len 1) must come before prefills", qlen)
-    needed = -(-(ctx + qlen) // block_size)
+        _check(
+            decodes[:num_decodes],
+            "decode requests (query_len 1) must come before prefills",
+            query_lens,
+        )
+    needed = -(-(context_lens + query_lens) // block_size)
     _check(
-        needed <= bt.shape[1],
-        f"block_table (width {bt.shape[1]}) is narrower than a request needs",
+        needed <= block_table.shape[1],
+        f"block_table (width {block_table.shape[1]}) is narrower than a request needs",
         needed,
     )
     # int32: half the time of an int64 compare over the [R, W] grid (widths are small)
-    used = np.arange(bt.shape[1], dtype=np.int32)[None, :] < needed.astype(np.int32)[:, None]
-    bad = used & ((bt < 0) | (bt >= num_blocks))
+    used = (
+        np.arange(block_table.shape[1], dtype=np.int32)[None, :] < needed.astype(np.int32)[:, None]
+    )
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
     if bad.any():
         r, w = np.argwhere(bad)[0]
         raise MetadataError(
-            f"block_table[{r}, {w}] = {bt[r, w]} is not a block id in [0, {num_blocks})"
+            f"block_table[{r}, {w}] = {block_table[r, w]} is not a block id in [0, {num_blocks})"
         )
-    _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks)
-    return ctx, qlen, bt
+    _check_context_not_written(context_lens, needed, used, block_table, block_size, num_blocks)
+    return context_lens, query_lens, block_table
 
 
-def _check_context_not_written(ctx, needed, used, bt, block_size, num_blocks):
+def _check_context_not_written(context_lens, needed, used, block_table, block_size, num_blocks):
     """No request's new tokens may go into a block that another request reads as context:
     the step writes the cache before attention reads it. Only a request's own partly filled
     last block is both. One gather over the used table entries; the rest is per written
     entry (about one per request)."""
-    first = ctx // block_size  # the first table entry that receives new tokens
+    first = context_lens // block_size  # the first table entry that receives new tokens
     counts = needed - first
-    writer = np.repeat(np.arange(bt.shape[0]), counts)
+    writer = np.repeat(np.arange(block_table.shape[0]), counts)
     column = np.arange(writer.shape[0]) - np.repeat(np.cumsum(counts) - counts - first, counts)
-    written = bt[writer, column]
+    written = block_table[writer, column]
     is_written = np.zeros(num_blocks, bool)
     is_written[written] = True
     # Every written entry is used and names a written block; any other such entry is a full
     # context block (column < first) that some request writes.
-    hits = used & np.take(is_written, bt, mode="clip")
+    hits = used & np.take(is_written, block_table, mode="clip")
     if np.count_nonzero(hits) > written.shape[0]:
-        reader, w = np.argwhere(hits & (np.arange(bt.shape[1]) < first[:, None]))[0]
-        _raise_overwrite(reader, bt[reader, w], writer, written)
+        reader, w = np.argwhere(hits & (np.arange(block_table.shape[1]) < first[:, None]))[0]
+        _raise_overwrite(reader, block_table[reader, w], writer, written)
     # A partly filled last block is its reader's first written entry: a second write entry of
     # the same block (any request's) writes into that context.
     ordered = np.sort(written)
     twice = ordered[1:][ordered[1:] == ordered[:-1]]
     if twice.size:
-        partial = np.flatnonzero(ctx % block_size)
-        shared = np.isin(bt[partial, first[partial]], twice)
+        partial = np.flatnonzero(context_lens % block_size)
+        shared = np.isin(block_table[partial, first[partial]], twice)
         if shared.any():
             reader = partial[np.argmax(shared)]
-            _raise_overwrite(reader, bt[reader, first[reader]], writer, written)
+            _raise_overwrite(reader, block_table[reader, first[reader]], writer, written)
 
 
 def _raise_overwrite(reader, block, writer, written):

@@ -23,7 +23,14 @@ import numpy as np
 
 from mla_jax import kernels
 from mla_jax.cache.latent_cache import PAD_SLOT
-from mla_jax.cache.metadata import AttentionMetadata, Buckets, MetadataError, _build, _validate
+from mla_jax.cache.metadata import (
+    AttentionMetadata,
+    Buckets,
+    MetadataError,
+    build_validated,
+    is_decode,
+    validate_step,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -90,12 +97,12 @@ def packed_metadata(
     block_table = _rectangular(block_table)
     # Checked once, errors naming requests in the caller's order; built decodes first (the
     # checks hold in any order).
-    context_lens, query_lens, block_table = _validate(
+    context_lens, query_lens, block_table = validate_step(
         context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False
     )
-    order = np.argsort(query_lens != 1, kind="stable")
+    order = np.argsort(~is_decode(query_lens), kind="stable")
     kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads)
-    attention = _build(
+    attention = build_validated(
         context_lens[order],
         query_lens[order],
         block_table[order],

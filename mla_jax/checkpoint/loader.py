@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -25,7 +26,13 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mla_jax.checkpoint.fp8_weights import dequantize, read_safetensors, scale_name
+from mla_jax.checkpoint.fp8_weights import (
+    FP8,
+    SCALE_SUFFIX,
+    dequantize,
+    read_safetensors,
+    scale_name,
+)
 from mla_jax.checkpoint.hf_config import config_to_dict, load_config
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
@@ -36,6 +43,8 @@ _SINGLE = "model.safetensors"
 # safetensors header dtypes that hold weights; integer (and FP8) tensors would be cast to
 # floats silently, so they are refused by name instead.
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# load_model's fp8_weights (generate.py's --fp8-weights).
+FP8_WEIGHTS = ("auto", "keep", "dequantize")
 
 
 class WeightsError(ValueError):
@@ -54,7 +63,11 @@ class TensorSlot(NamedTuple):
 def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
     run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
-    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one."""
+    experts one per layer and expert (``moe.hf_expert_slice``); the rest hold one. A kept
+    FP8 weight's scales (``<name>_scale_inv``, its grid in the weight's layout) hold the
+    ``weight_scale_inv`` tensors of its weight's tensors, each where its block grid lies."""
+    if str(path[-1]).endswith(SCALE_SUFFIX):
+        return _scale_slots(path, shape, cfg)
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
@@ -76,6 +89,29 @@ def hf_tensors(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[Te
             slots.append(
                 _plain_slot(f"{prefix}.{rest}", (i,), shape, transposed=_is_transposed(path))
             )
+    return slots
+
+
+def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+    """The ``weight_scale_inv`` slots of the scale grid ``shape`` at ``path``: its weight's
+    slots (``hf_tensors`` of the weight's shape, as the model builds it), each weight
+    column range mapped to its range of grid columns (a fused ``gate_up_proj``'s up half
+    starts after the gate's ``cdiv(I, bo)``)."""
+    bo, bi = cfg.quantization.weight_block_size
+    *lead, rows, cols = shape
+    weight_path = (*path[:-1], str(path[-1])[: -len(SCALE_SUFFIX)])
+    fused = tuple(map(str, weight_path[-2:])) == ("experts", "gate_up_proj")
+    slots = []
+    # The weight's slots for a weight of the grid's size in blocks (the experts' shapes come
+    # from the config; a plain weight's HF shape is the grid's, transposed, in blocks).
+    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg):
+        out, inp = slot.hf_shape
+        index = slot.index
+        if fused:  # gate's columns [:I] -> the grid's first half, up's [I:] -> the second
+            first = 0 if index[-1].start == 0 else cols // 2
+            index = (*index[:-1], slice(first, first + cols // 2))
+        hf_shape = (math.ceil(out / bo), math.ceil(inp / bi))
+        slots.append(TensorSlot(scale_name(slot.name), index, slot.axes, hf_shape))
     return slots
 
 
@@ -148,20 +184,41 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def keeps_fp8(cfg: ModelConfig, fp8_weights: str) -> bool:
+    """Whether ``load_model`` keeps the FP8 weights of a checkpoint of ``cfg`` as they are:
+    ``fp8_weights`` "keep", or "auto" on a GPU backend (where the Pallas kernels dequantize
+    them tile by tile; elsewhere the references would dequantize a whole weight each call),
+    for a checkpoint that has FP8 weights; "dequantize" never."""
+    if fp8_weights not in FP8_WEIGHTS:
+        raise ValueError(f"fp8_weights must be one of {FP8_WEIGHTS}, got {fp8_weights!r}")
+    if cfg.quantization is None or fp8_weights == "dequantize":
+        return False
+    return fp8_weights == "keep" or jax.default_backend() == "gpu"
+
+
 def load_model(
     model_dir: str | os.PathLike,
     *,
     dtype=jnp.float32,
     verbose: bool = False,
     placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
+    fp8_weights: str = "auto",
 ) -> tuple[ModelConfig, DeepseekModel]:
     """Builds the model ``config.json`` describes and fills it from the checkpoint's tensors,
     cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors.
     ``placement(path, ndim)``: where each parameter goes (e.g. ``sharding.placement``, which
-    sends each device only its shards); default: the default device."""
+    sends each device only its shards); default: the default device.
+
+    ``fp8_weights`` (an FP8 checkpoint's; ignored for others): "keep" holds the decoder's
+    projections and routed experts as float8_e4m3fn with their float32 block scales
+    (``DeepseekModel``'s ``fp8_blocks``; ``kv_b_proj`` is dequantized), "dequantize" casts
+    every weight to ``dtype``, "auto" keeps them on a GPU (``keeps_fp8``)."""
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
-    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    blocks = cfg.quantization.weight_block_size if keeps_fp8(cfg, fp8_weights) else None
+    abstract = nnx.eval_shape(
+        lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+    )
     graphdef, state = nnx.split(abstract)
     params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
@@ -188,20 +245,33 @@ def load_model(
     for file, names in shards:
         with _open(file) as f:
             for name in names:
-                fp8 = _check_header(f.get_slice(name), name, params[name][2], quantization)
+                path, var, slot = params[name]
+                fp8 = _check_header(f.get_slice(name), name, slot, quantization)
                 if fp8 and scale_name(name) not in files:
                     raise WeightsError(
                         f"fp8 tensor {name} has no {scale_name(name)} in {model_dir}"
                     )
-    # Host buffers in the model's dtype, filled one tensor at a time as the shards stream by.
-    buffers = {path: np.empty(var.shape, jnp.dtype(dtype)) for path, var, _ in params.values()}
+                if var.dtype == FP8 and not fp8:
+                    raise WeightsError(
+                        f"tensor {name} is {f.get_slice(name).get_dtype()}, not fp8: kept FP8 "
+                        "weights need the checkpoint's projections in fp8 (load with "
+                        "fp8_weights='dequantize', --fp8-weights dequantize)"
+                    )
+    # Host buffers in the model's dtype (kept FP8 weights and their scales: in theirs),
+    # filled one tensor at a time as the shards stream by.
+    buffers = {
+        path: np.empty(var.shape, var.dtype if _kept(path, var) else jnp.dtype(dtype))
+        for path, var, _ in params.values()
+    }
     for i, (file, names) in enumerate(shards):
         if verbose:
             print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
         with _open(file) as f:
             for name in names:
-                path, _, slot = params[name]
-                if f.get_slice(name).get_dtype() == "F8_E4M3":
+                path, var, slot = params[name]
+                if _kept(path, var):  # an FP8 weight or its scales, as stored
+                    array = read_safetensors(file, name)
+                elif f.get_slice(name).get_dtype() == "F8_E4M3":
                     # Dequantized tensor by tensor: host memory holds one in float32 at a time.
                     scale = read_safetensors(files[scale_name(name)], scale_name(name))
                     array = read_safetensors(file, name)
@@ -221,6 +291,11 @@ def load_model(
 
     loaded = [(path, variables[path].replace(put(path, b))) for path, b in buffers.items()]
     return cfg, nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _kept(path: tuple, var) -> bool:
+    """Whether the parameter is a kept FP8 weight or its block scales (loaded as stored)."""
+    return var.dtype == FP8 or str(path[-1]).endswith(SCALE_SUFFIX)
 
 
 def _check_header(header, name: str, slot: TensorSlot, quantization) -> bool:

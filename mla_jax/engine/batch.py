@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mla_jax.cache.metadata import Buckets
+from mla_jax.cache.metadata import Buckets, is_decode
 from mla_jax.engine.scheduler import Scheduled
 
 
@@ -31,6 +31,10 @@ class StepBatch:
     source: ``[sum(query_lens)]`` int32 the row of the previous step's sampled tokens a
       pending token takes on the device (a row within the rank), else -1.
     temperatures: ``[R]`` float32 sampling temperatures (0: greedy).
+    steps: ``[R]`` int32 decode steps of a window each request runs (1 in a one-step
+      batch; 0 on padding requests, which then write nothing).
+    stops_at_eos: ``[R]`` bool: a window stops the request at the model's EOS tokens (not
+      ``ignore_eos``).
     """
 
     context_lens: np.ndarray
@@ -39,11 +43,13 @@ class StepBatch:
     input_ids: np.ndarray
     source: np.ndarray
     temperatures: np.ndarray
+    steps: np.ndarray
+    stops_at_eos: np.ndarray
 
     @property
     def is_decode(self) -> np.ndarray:
-        """``[R]`` bool: the requests that run one token."""
-        return self.query_lens == 1
+        """``[R]`` bool: the requests that run one token (``metadata.is_decode``)."""
+        return is_decode(self.query_lens)
 
     @property
     def num_decodes(self) -> int:
@@ -66,18 +72,32 @@ def build_batch(scheduled: Sequence[Scheduled], previous_rows: Mapping[int, int]
     context_lens = np.empty(num, np.int32)
     query_lens = np.empty(num, np.int32)
     temperatures = np.empty(num, np.float32)
+    steps = np.empty(num, np.int32)
+    stops_at_eos = np.empty(num, bool)
     input_ids: list[int] = []
     source = np.full(sum(entry.count for entry in scheduled), -1, np.int32)
-    for i, (request, start, count, _) in enumerate(scheduled):
+    for i, (request, start, count, _, request_steps) in enumerate(scheduled):
         block_table[i, : len(request.block_ids)] = request.block_ids
-        context_lens[i], query_lens[i] = start, count
+        context_lens[i], query_lens[i], steps[i] = start, count, request_steps
         temperatures[i] = request.temperature
+        stops_at_eos[i] = not request.ignore_eos
         chunk, pending = request.token_ids(start, start + count)
         if pending is not None:
+            # Only the previous step's last token of a request is in its sampled row (the
+            # engine reads a window's tokens before a step could take more of them).
+            if len(chunk) - pending != 1:
+                raise RuntimeError(f"a chunk takes {len(chunk) - pending} pending tokens")
             source[len(input_ids) + pending] = previous_rows[id(request)]
         input_ids += chunk
     return StepBatch(
-        context_lens, query_lens, block_table, np.asarray(input_ids, np.int32), source, temperatures
+        context_lens,
+        query_lens,
+        block_table,
+        np.asarray(input_ids, np.int32),
+        source,
+        temperatures,
+        steps,
+        stops_at_eos,
     )
 
 
@@ -89,7 +109,8 @@ def scratch_blocks(block_size: int, data_parallel: int) -> int:
 
 def _padding(block_ids: np.ndarray, count: int) -> StepBatch:
     """A padding request of ``count`` tokens from position 0 in ``block_ids``: a decode (1)
-    or a prompt (2); greedy, its sampled token never read."""
+    or a prompt (2); greedy, its sampled token never read; in a window, no step of it
+    writes."""
     return StepBatch(
         context_lens=np.zeros(1, np.int32),
         query_lens=np.array([count], np.int32),
@@ -97,6 +118,8 @@ def _padding(block_ids: np.ndarray, count: int) -> StepBatch:
         input_ids=np.zeros(count, np.int32),
         source=np.full(count, -1, np.int32),
         temperatures=np.zeros(1, np.float32),
+        steps=np.zeros(1, np.int32),
+        stops_at_eos=np.zeros(1, bool),
     )
 
 
@@ -114,6 +137,8 @@ def _concatenate(parts: Sequence[StepBatch]) -> StepBatch:
         input_ids=np.concatenate([part.input_ids for part in parts]),
         source=np.concatenate([part.source for part in parts]),
         temperatures=np.concatenate([part.temperatures for part in parts]),
+        steps=np.concatenate([part.steps for part in parts]),
+        stops_at_eos=np.concatenate([part.stops_at_eos for part in parts]),
     )
 
 

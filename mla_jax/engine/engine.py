@@ -6,7 +6,13 @@ tokens come back to the requests and the scheduler: data flows one way. With
 ``async_scheduling`` (the default) it builds and launches step n+1 before reading step n's
 sampled tokens, as vLLM's asynchronous scheduling does, so the host's work overlaps the
 device's; a request that ends on an EOS token is found one step late, and that step's token
-for it is dropped.
+for it is dropped. With prefix caching (the default) a request starts from the longest
+prefix of its prompt that an earlier request left in the cache (``cache/block_manager.py``);
+with data parallelism it joins the rank that caches the longest such prefix, if that rank has
+room. While every running request decodes and no prompt could start, it runs a *window* of
+``decode_window`` decode steps in one device program (``runner.py``) and reads the window's
+tokens once; a step that may start a prompt (or preempt) runs alone, after the previous
+window's tokens are read, so that time to first token does not wait on windows.
 
 Every step is padded to one of the shapes ``EngineConfig.fixed_buckets`` lists (a ladder of
 decode batch sizes, of prefill token counts, fixed prefill slots, block-table width and
@@ -22,13 +28,15 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
-from mla_jax.cache.latent_cache import BlockAllocator, CacheFullError, cache_dtype, init_cache
+from mla_jax.cache.block_manager import BlockManager
+from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
 from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
 from mla_jax.engine.request import Request
-from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput
+from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput, window_tokens
 from mla_jax.engine.scheduler import Scheduled, Scheduler
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
@@ -65,6 +73,13 @@ class EngineConfig:
     # own num_blocks / data_parallel cache blocks; max_num_seqs and max_num_batched_tokens
     # bound each rank's step (sharding.py).
     data_parallel: int = 1
+    # Keep full blocks by content and start a request from the longest cached prefix of its
+    # prompt (cache/block_manager.py); each DP rank caches its own blocks.
+    enable_prefix_caching: bool = True
+    # Decode steps a window runs in one device program while every running request decodes
+    # (the host's work then comes once a window); 1 runs every step alone. None: 8 on GPUs,
+    # where the host's work per step outlasts a small batch's device step, else 1.
+    decode_window: int | None = None
 
     def __post_init__(self):
         for name in (
@@ -89,6 +104,8 @@ class EngineConfig:
                 f"{self.data_parallel} ranks after its {scratch} scratch blocks"
             )
         cache_dtype(self.kv_cache_dtype, np.float32)  # refuses names the kernels don't take
+        if self.decode_window is not None and self.decode_window <= 0:
+            raise ValueError(f"decode_window must be positive, got {self.decode_window}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.workspace_size < self.block_size:
@@ -104,6 +121,12 @@ class EngineConfig:
                 f"workspace ({self.workspace_size}) must hold a block ({self.block_size}) "
                 "for each"
             )
+
+    def window_steps(self) -> int:
+        """Decode steps of a window: ``decode_window``, by default 8 on GPUs, 1 elsewhere."""
+        if self.decode_window is not None:
+            return self.decode_window
+        return 8 if jax.default_backend() == "gpu" else 1
 
     @property
     def prefill_slots(self) -> int:
@@ -137,23 +160,27 @@ class EngineConfig:
 
 
 class StepRecord(NamedTuple):
-    """One step as the host saw it: its tokens, its shape, ``host_s`` (scheduling, building
-    and launching it, compilation excluded) and ``interval_s`` (since the previous step's
-    launch: in a steady run, the step's wall time)."""
+    """One step (or window: ``shape.steps`` decode steps) as the host saw it: its tokens,
+    its shape, ``host_s`` (scheduling, building and launching it, compilation excluded) and
+    ``interval_s`` (since the previous step's launch: in a steady run, the step's wall
+    time)."""
 
     decodes: int
     prefill_tokens: int
     shape: StepShape
     host_s: float
     interval_s: float
+    steps: int = 1  # decode steps it runs: a window's longest request's (EOS may end it early)
 
 
 @dataclasses.dataclass
 class Stats:
-    """What the engine did so far: steps, tokens, time, compilations, preemptions."""
+    """What the engine did so far: steps, tokens, time, compilations, preemptions, prefix
+    cache hits."""
 
     steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # computed (a preempted request's again when recomputed)
+    cached_prompt_tokens: int = 0  # taken from the prefix cache instead of computed
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     compile_s: float = 0.0  # compiling, or loading from the compilation cache
@@ -164,6 +191,12 @@ class Stats:
     step_records: list[StepRecord] = dataclasses.field(default_factory=list)
 
     @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Of the prompt tokens requests needed in the cache, the share found there."""
+        needed = self.prompt_tokens + self.cached_prompt_tokens
+        return self.cached_prompt_tokens / needed if needed else None
+
+    @property
     def buckets(self) -> list[StepShape]:
         """The shapes of the programs compiled (or loaded) so far."""
         return [program.shape for program in self.compiled]
@@ -172,17 +205,21 @@ class Stats:
         """The stats as JSON-ready numbers (``result.json``), with medians of decode steps."""
         run_s = max(self.elapsed_s - self.compile_s, 1e-9)
         decode_steps = [r for r in self.step_records if r.decodes and not r.prefill_tokens]
+        hit_rate = self.prefix_cache_hit_rate
         return {
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache_hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "generated_tokens": self.generated_tokens,
             "elapsed_s": round(self.elapsed_s, 4),
             "compile_s": round(self.compile_s, 4),
             "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "tokens_per_s": round((self.prompt_tokens + self.generated_tokens) / run_s, 2),
             "decode_steps": len(decode_steps),
-            "decode_step_ms": _median_ms([r.interval_s for r in decode_steps[1:]]),
-            "decode_host_ms": _median_ms([r.host_s for r in decode_steps]),
+            # Per decode step: a window's time over its steps.
+            "decode_step_ms": _median_ms([r.interval_s / r.steps for r in decode_steps[1:]]),
+            "decode_host_ms": _median_ms([r.host_s / r.steps for r in decode_steps]),
             "programs": len(self.buckets),
             "programs_from_cache": self.programs_from_cache,
             "preemptions": self.preemptions,
@@ -266,12 +303,16 @@ class Engine:
             seed=seed,
             mesh=mesh,
         )
-        # One allocator and scheduler per DP rank, over its blocks less its scratch blocks.
+        # One block manager and scheduler per DP rank, over its blocks less its scratch blocks.
         self.rank_blocks = cfg.num_blocks // cfg.data_parallel
         self.blocks_per_rank = self.rank_blocks - scratch_blocks(cfg.block_size, cfg.data_parallel)
         self.schedulers = [
             Scheduler(
-                BlockAllocator(self.blocks_per_rank),
+                BlockManager(
+                    self.blocks_per_rank,
+                    cfg.block_size,
+                    enable_caching=cfg.enable_prefix_caching,
+                ),
                 block_size=cfg.block_size,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs,
@@ -279,6 +320,9 @@ class Engine:
             )
             for _ in range(cfg.data_parallel)
         ]
+        # Decode steps of a window (cfg.window_steps()); a benchmark may change it between
+        # generate calls (a window's programs compile as it first runs them).
+        self.decode_window = cfg.window_steps()
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
         self._last_launch: float | None = None
@@ -328,9 +372,10 @@ class Engine:
         previous: InFlight | None,
         started: float,
         buckets: Buckets | None = None,
+        steps: int = 1,
     ) -> InFlight:
         """Starts each DP rank's scheduled chunks on the device (``started``: when its
-        scheduling began)."""
+        scheduling began; ``steps`` > 1: a window of decodes)."""
         buckets = buckets or self.buckets
         previous_rows = previous.previous_rows() if previous is not None else {}
         batches = [build_batch(rank_scheduled, previous_rows) for rank_scheduled in scheduled]
@@ -339,7 +384,7 @@ class Engine:
             batches, real, buckets = pad_ranks(
                 batches, buckets, blocks_per_rank=self.rank_blocks, block_size=self.cfg.block_size
             )
-        output = self.runner.launch(batches, buckets)
+        output = self.runner.launch(batches, buckets, steps, self.model_cfg.eos_token_ids)
         if real is not None:
             output = output._replace(
                 rows=[rows[part] for rows, part in zip(output.rows, real, strict=True)]
@@ -363,68 +408,86 @@ class Engine:
                 output.shape,
                 now - started - compile_s,
                 interval,
+                max((entry.steps for entry in entries), default=1),
             )
         )
         self._last_launch = now
         return InFlight(scheduled, output)
 
     def _collect(self, in_flight: InFlight, t_start: float) -> None:
-        """Reads a step's sampled tokens (waiting for it) and gives them to its requests."""
-        tokens = np.asarray(in_flight.output.tokens)
+        """Reads a step's (or window's) sampled tokens, waiting for it, and gives them to its
+        requests."""
+        output = in_flight.output
+        tokens, counts = window_tokens(
+            np.asarray(output.tokens), len(in_flight.scheduled), output.shape.steps
+        )
         now = time.perf_counter()
-        for rank, (batch, rows) in enumerate(
-            zip(in_flight.scheduled, in_flight.output.rows, strict=True)
-        ):
+        for rank, (batch, rows) in enumerate(zip(in_flight.scheduled, output.rows, strict=True)):
             for entry, row in zip(batch, rows, strict=True):
                 req = entry.request
                 if not entry.samples:
                     continue
-                req.num_pending -= 1
+                req.num_pending -= entry.steps
                 if req.finished:  # ended by an EOS found after this step was launched
                     continue
-                req.output_ids.append(int(tokens[rank * self.max_rows + row]))
-                req.token_times.append(now)
-                self.stats.generated_tokens += 1
+                count = int(counts[rank, row])
+                if count < entry.steps:  # stopped at an EOS: the later steps wrote nothing
+                    req.num_computed = entry.start + count
+                req.output_ids += tokens[rank, :count, row].tolist()
+                req.token_times += [now] * count
+                self.stats.generated_tokens += count
                 if self.stats.first_token_s is None:
                     self.stats.first_token_s = now - t_start
                 if self._done(req):
                     self.schedulers[rank].finish(req)
 
     def step_shapes(self) -> list[StepShape]:
-        """Every program this engine can run (its buckets fix every axis)."""
-        return self.buckets.step_shapes(self.cfg.workspace_size)
+        """Every program this engine can run (its buckets fix every axis): each step shape,
+        and with windows a window of each decode batch size."""
+        shapes = self.buckets.step_shapes(self.cfg.workspace_size)
+        if self.decode_window == 1:
+            return shapes
+        windows = [s._replace(steps=self.decode_window) for s in shapes if not s.prefills]
+        return shapes + windows
 
     def precompile(self, steps: list[list[tuple[int, int]]] | None = None) -> list[StepShape]:
         """Compiles programs ahead of serving: by default all of ``step_shapes()``, else
         those of the given steps, each a list of ``(context_len, query_len)`` pairs, decodes
         (query_len 1) first, e.g. ``[[(1000, 1)] * 32, [(0, 512)]]``. Runs each once on
-        dummy tokens in freshly allocated blocks, which go back to the allocator: call it
+        dummy tokens in freshly allocated blocks, which go back to the block manager: call it
         while no request runs. Returns the buckets compiled to (``stats.buckets`` lists all
         so far). With data parallelism the steps run on the first rank, the others padded."""
-        if steps is not None:
-            return [self._dummy_step(pairs, self.buckets) for pairs in steps]
-        shapes = []
-        for shape in self.step_shapes():
-            # One decode and one 2-token prompt, padded to this shape's sizes.
-            pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
-            buckets = dataclasses.replace(
-                self.buckets,
-                decode_buckets=(shape.decodes or 1,),
-                token_buckets=(shape.tokens - shape.decodes or 1,),
-            )
-            shapes.append(self._dummy_step(pairs, buckets))
-        return shapes
+        start = time.perf_counter()
+        try:
+            if steps is not None:
+                return [self._dummy_step(pairs, self.buckets) for pairs in steps]
+            shapes = []
+            for shape in self.step_shapes():
+                # One decode and one 2-token prompt, padded to this shape's sizes.
+                pairs = [(1, 1)] * bool(shape.decodes) + [(0, 2)] * bool(shape.prefills)
+                buckets = dataclasses.replace(
+                    self.buckets,
+                    decode_buckets=(shape.decodes or 1,),
+                    token_buckets=(shape.tokens - shape.decodes or 1,),
+                )
+                shapes.append(self._dummy_step(pairs, buckets, shape.steps))
+            return shapes
+        finally:
+            # Its compile time is in stats.compile_s, which rates subtract from elapsed_s.
+            self.stats.elapsed_s += time.perf_counter() - start
 
-    def _dummy_step(self, pairs: list[tuple[int, int]], buckets: Buckets) -> StepShape:
+    def _dummy_step(
+        self, pairs: list[tuple[int, int]], buckets: Buckets, steps: int = 1
+    ) -> StepShape:
         scheduler, batch = self.schedulers[0], []
         idle = [[] for _ in self.schedulers[1:]]
         try:
             for context_len, query_len in pairs:
-                req = Request([0] * (context_len + query_len), max_new_tokens=1)
-                if not scheduler.grow(req, context_len + query_len):
+                req = Request([0] * (context_len + query_len), max_new_tokens=steps)
+                if not scheduler.grow(req, context_len + query_len + steps - 1):
                     raise CacheFullError("too few free cache blocks to precompile")
-                batch.append(Scheduled(req, context_len, query_len, True))
-            launched = self._launch([batch, *idle], None, time.perf_counter(), buckets)
+                batch.append(Scheduled(req, context_len, query_len, True, steps))
+            launched = self._launch([batch, *idle], None, time.perf_counter(), buckets, steps)
             launched.output.tokens.block_until_ready()
             return launched.output.shape
         finally:
@@ -437,27 +500,24 @@ class Engine:
         for req in requests:
             self._check(req)
         schedulers = self.schedulers
-        for req in requests:  # to the DP rank with the fewest requests
-            rank = min(
-                range(len(schedulers)),
-                key=lambda r: len(schedulers[r].running) + len(schedulers[r].waiting),
-            )
-            schedulers[rank].add(req)
+        for req in requests:
+            schedulers[self._rank_for(req)].add(req)
         t_start = t_log = time.perf_counter()
         elapsed_before = self.stats.elapsed_s
         in_flight: InFlight | None = None
         while any(s.has_work for s in schedulers) or in_flight is not None:
             started = time.perf_counter()
-            batches = [s.schedule() if s.has_work else [] for s in schedulers]
+            steps, in_flight = self._next_steps(in_flight, t_start)
+            batches = [self._schedule(s, steps) if s.has_work else [] for s in schedulers]
             launched = None
             if any(batches):
                 self.stats.steps += 1
-                for req, start, count, _ in (entry for batch in batches for entry in batch):
+                for req, start, count, *_ in (entry for batch in batches for entry in batch):
                     prompt_len = len(req.prompt_ids)
                     self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
-                launched = self._launch(batches, in_flight, started)
+                launched = self._launch(batches, in_flight, started, steps=steps)
             elif in_flight is None:
-                free = [s.allocator.num_free for s in schedulers]
+                free = [s.block_manager.num_free for s in schedulers]
                 raise CacheFullError(f"no request can be scheduled: {sum(free)} free blocks")
             if in_flight is not None:  # the device already has the next step, if any
                 self._collect(in_flight, t_start)
@@ -468,6 +528,7 @@ class Engine:
             now = time.perf_counter()
             self.stats.elapsed_s = elapsed_before + now - t_start
             self.stats.preemptions = sum(s.preemptions for s in schedulers)
+            self.stats.cached_prompt_tokens = sum(s.cached_prompt_tokens for s in schedulers)
             has_work = any(s.has_work for s in schedulers)
             if now - t_log >= progress_every_s or not (has_work or in_flight):
                 t_log = now
@@ -476,11 +537,51 @@ class Engine:
         self._last_launch = None
         return requests
 
+    def _next_steps(
+        self, in_flight: InFlight | None, t_start: float
+    ) -> tuple[int, InFlight | None]:
+        """The next step's decode steps (a window where every rank can run one) and what
+        stays in flight: a single step after a window reads the window's tokens first, as
+        it may start, preempt or recompute a request with several of them pending."""
+        steps = self.decode_window
+        if steps > 1 and all(s.can_run_window(steps) for s in self.schedulers):
+            return steps, in_flight
+        if in_flight is not None and in_flight.output.shape.steps > 1:
+            self._collect(in_flight, t_start)
+            in_flight = None
+        return 1, in_flight
+
+    @staticmethod
+    def _schedule(scheduler: Scheduler, steps: int) -> list[Scheduled]:
+        return scheduler.schedule_window(steps) if steps > 1 else scheduler.schedule()
+
+    def _rank_for(self, req: Request) -> int:
+        """The DP rank ``req`` joins: of the ranks with room (fewer than ``max_num_seqs``
+        requests running or waiting), the one caching the longest prefix of its prompt, the
+        least loaded of those on a tie; with no prefix cached on any, the least loaded rank."""
+        schedulers = self.schedulers
+        loads = [len(s.running) + len(s.waiting) for s in schedulers]
+        least_loaded = min(range(len(schedulers)), key=loads.__getitem__)
+        if len(schedulers) == 1 or not self.cfg.enable_prefix_caching:
+            return least_loaded
+        cached = {
+            rank: len(schedulers[rank].block_manager.match(req.prompt_ids))
+            for rank in range(len(schedulers))
+            if loads[rank] < self.cfg.max_num_seqs
+        }
+        best = max(cached, key=lambda rank: (cached[rank], -loads[rank]), default=None)
+        return best if best is not None and cached[best] else least_loaded
+
     def _progress(self, running: int, waiting: int) -> str:
         s = self.stats.as_dict()
+        hit_rate = s["prefix_cache_hit_rate"]
+        cached = f"{s['cached_prompt_tokens']} cached" + (
+            "" if hit_rate is None else f" (hit rate {hit_rate:.1%})"
+        )
         return (
             f"step {s['steps']}: {running} running, {waiting} waiting | "
-            f"{s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens, "
+            f"{s['prompt_tokens']} prompt tokens computed, {cached}, "
+            f"{s['generated_tokens']} generated; "
             f"{s['tokens_per_s']:.1f} tok/s (excluding {s['compile_s']:.1f}s compiling or loading "
             f"{len(self.stats.buckets)} buckets)"
         )

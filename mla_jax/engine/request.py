@@ -32,6 +32,7 @@ class Request:
     block_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed: int = 0  # tokens in the cache, or being written by a step in flight
     num_pending: int = 0  # tokens sampled by steps whose results the host has not read
+    num_cached_blocks: int = 0  # leading blocks the prefix cache knows by content
     finished: bool = False
     token_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter, per output
 
@@ -47,8 +48,9 @@ class Request:
 
     def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
         """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the
-        pending token (whose id is only on the device, given here as 0), if they hold it.
-        Slices only (no copy of a whole prompt: this runs for every request every step)."""
+        first pending token (pending ids are only on the device, given here as 0), if they
+        hold one. Slices only (no copy of a whole prompt: this runs for every request every
+        step)."""
         prompt_len = len(self.prompt_ids)
         known = prompt_len + len(self.output_ids)
         ids = self.prompt_ids[start:stop] if start < prompt_len else []
@@ -56,4 +58,5 @@ class Request:
             ids += self.output_ids[max(start - prompt_len, 0) : stop - prompt_len]
         if stop <= known:
             return ids, None
-        return ids + [0] * (stop - max(start, known)), known - start
+        first_pending = max(start, known)
+        return ids + [0] * (stop - first_pending), first_pending - start

@@ -9,6 +9,18 @@ cache (donated: one array, or an FP8 cache's three) and the previous step's samp
 nothing is flattened or hashed beyond the step's shape. Sampled tokens stay on the device,
 where the next step reads the ones it needs (``source``), so the host reads them only to
 return them to requests, while the device already runs the next step.
+
+A *window* runs several decode steps in one program (a ``lax.while_loop``): each step's
+model call, sampling (``_sample``, with the key the one-step path would use for that step's
+number), stop checks (EOS where the request stops at it, and the steps the host gave it,
+which its ``max_new_tokens`` and so the model length bound) and the advance of its positions,
+cache slots and lengths happen on the device; the loop ends when every request has stopped.
+The host builds the window's metadata once, for its last step's lengths: the block tables
+hold every block the window writes (the scheduler allocated them up front), and the decode
+kernel's split-KV schedule for those lengths is cut to each step's on the device
+(``kernels.decode.truncate_schedule``; a schedule rebuilt on the device would cost more than
+the few keys a request gains in a window unbalance it). The host then reads each request's
+tokens of the whole window at once.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mla_jax import kernels
+from mla_jax.cache.latent_cache import PAD_SLOT
 from mla_jax.cache.metadata import AttentionMetadata, Buckets, StepShape, build_metadata
 from mla_jax.engine.batch import StepBatch
 from mla_jax.engine.compilation import cache_hits
@@ -35,13 +48,18 @@ from mla_jax.parallel import sharding
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """How a step's packed int32 buffer divides into arrays (a program's static input)."""
+    """How a step's packed int32 buffer divides into arrays, and the decode steps it runs
+    (a program's static input)."""
 
     metadata: jax.tree_util.PyTreeDef  # of the metadata's arrays
-    shapes: tuple[tuple[int, ...], ...]  # metadata arrays, then ids, source, temperatures, step
+    # Metadata arrays, then ids, source, temperatures, step; a window's steps and EOS stops.
+    shapes: tuple[tuple[int, ...], ...]
+    steps: int = 1  # decode steps: more than one makes a window
+    eos_token_ids: tuple[int, ...] = ()  # what a window stops a request at
 
     def unpack(self, packed: jax.Array) -> tuple[AttentionMetadata, ...]:
-        """``(metadata, input_ids, source, temperature_bits, step)`` from the buffer."""
+        """``(metadata, input_ids, source, temperature_bits, step)`` from the buffer, and a
+        window's ``(steps, stops_at_eos)`` after them."""
         arrays, offset = [], 0
         for shape in self.shapes:
             size = int(np.prod(shape))
@@ -65,8 +83,10 @@ class StepOutput(NamedTuple):
 
     rows: each DP rank's ``[R]`` rows (in its batch's order) of its sampled tokens; rank r's
       tokens are ``tokens[r * max_rows : (r + 1) * max_rows]``.
-    tokens: ``[dp * max_rows]`` int32 on the device, not waited for.
-    shape: the step's program shape.
+    tokens: ``[dp * max_rows]`` int32 on the device, not waited for; a window's are
+      ``[dp * (steps + 1) * max_rows]``: per rank, each step's row of tokens, then each
+      request's count of tokens before it stopped (``window_tokens``).
+    shape: the step's program shape (``shape.steps``: its decode steps).
     compiled: the programs this step compiled first.
     """
 
@@ -88,6 +108,16 @@ GPU_COMPILER_OPTIONS = {
     "xla_gpu_dot_merger_threshold_mb": 0,
     "xla_gpu_enable_dynamic_slice_fusion": True,
 }
+
+
+def window_tokens(tokens: np.ndarray, ranks: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step's ``StepOutput.tokens`` read on the host as ``[dp, steps, max_rows]`` tokens and
+    ``[dp, max_rows]`` counts of tokens each row keeps (1 each after a one-step batch)."""
+    if steps == 1:
+        tokens = tokens.reshape(ranks, 1, -1)
+        return tokens, np.ones(tokens[:, 0].shape, np.int32)
+    tokens = tokens.reshape(ranks, steps + 1, -1)
+    return tokens[:, :steps], tokens[:, steps]
 
 
 def _sample(logits: jax.Array, temperatures: jax.Array, key: jax.Array) -> jax.Array:
@@ -149,14 +179,93 @@ class ModelRunner:
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
 
         def forward(layout: StepLayout, params, cache, packed, previous_tokens, key):
-            metadata, input_ids, source, temperature_bits, step = layout.unpack(packed)
+            """One step, or a window (``layout.steps`` > 1): ``(tokens, cache)``, or
+            ``(last tokens, window tokens, cache)``."""
+            metadata, input_ids, source, temperature_bits, step, *window = layout.unpack(packed)
             # Pending tokens (sampled by the previous step, unread by the host) come from it.
             input_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], input_ids)
             model = nnx.merge(graphdef, jax.tree.unflatten(param_tree, params))
-            logits, cache = model(input_ids, cache, metadata, impl=impl)
             temperatures = jax.lax.bitcast_convert_type(temperature_bits, jnp.float32)
+            if layout.steps > 1:
+                return window_forward(
+                    layout, model, cache, metadata, input_ids, temperatures, step, key, *window
+                )
+            logits, cache = model(input_ids, cache, metadata, impl=impl)
             tokens = _sample(logits, temperatures, jax.random.fold_in(key, step[0]))
             return jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens), cache
+
+        def window_forward(
+            layout, model, cache, metadata, input_ids, temperatures, step, key, steps, stops
+        ):
+            """A decode window. ``metadata``: its last step's (each row ``steps - 1`` tokens
+            on); ``steps [Bd]``: each row's steps (0 on padding); ``stops [Bd]``: 1 where it
+            stops at EOS. A row writes and samples while live; a stopped row writes nothing
+            and keeps its length. Returns each row's last live token (the next step's
+            pending one), the ``[steps + 1, max_rows]`` tokens and counts (flat), the cache."""
+            decode = metadata.decode
+            table = decode.block_table
+            rows = jnp.arange(table.shape[0])
+            behind = jnp.maximum(steps - 1, 0)
+            eos = jnp.asarray(layout.eos_token_ids, jnp.int32)
+
+            def at(positions, seq_lens, live):
+                slots = table[rows, positions // block_size] * block_size + positions % block_size
+                schedule = decode.schedule
+                if schedule is not None:
+                    schedule = kernels.decode.truncate_schedule(schedule, seq_lens)
+                return dataclasses.replace(
+                    metadata,
+                    positions=positions,
+                    slot_mapping=jnp.where(live, slots, PAD_SLOT),
+                    decode=dataclasses.replace(decode, seq_lens=seq_lens, schedule=schedule),
+                )
+
+            def live_steps(carry):
+                s, *_, live = carry
+                return (s < layout.steps) & live.any()
+
+            def one_step(carry):
+                s, ids, positions, seq_lens, last, tokens, counts, cache, live = carry
+                logits, cache = model(ids, cache, at(positions, seq_lens, live), impl=impl)
+                sampled = _sample(logits, temperatures, jax.random.fold_in(key, step[0] + s))
+                last = jnp.where(live, sampled, last)
+                tokens = tokens.at[s].set(sampled)
+                counts = counts + live
+                at_eos = (stops > 0) & (sampled[:, None] == eos).any(-1)
+                next_live = live & ~at_eos & (s + 1 < steps)
+                advance = next_live.astype(jnp.int32)
+                return (
+                    s + 1,
+                    sampled,
+                    positions + advance,
+                    seq_lens + advance,
+                    last,
+                    tokens,
+                    counts,
+                    cache,
+                    next_live,
+                )
+
+            num_rows = table.shape[0]
+            start = (
+                jnp.int32(0),
+                input_ids,
+                metadata.positions - behind,
+                decode.seq_lens - behind,
+                input_ids,
+                jnp.zeros((layout.steps, num_rows), jnp.int32),
+                jnp.zeros(num_rows, jnp.int32),
+                cache,
+                steps > 0,
+            )
+            _, _, _, _, last, tokens, counts, cache, _ = jax.lax.while_loop(
+                live_steps, one_step, start
+            )
+            window = jnp.zeros((layout.steps + 1, max_rows), jnp.int32)
+            window = window.at[: layout.steps, :num_rows].set(tokens)
+            window = window.at[layout.steps, :num_rows].set(counts)
+            last = jnp.zeros(max_rows, jnp.int32).at[:num_rows].set(last)
+            return last, window.reshape(-1), cache
 
         if ranks > 1:
             split_rows = jax.sharding.PartitionSpec(sharding.DATA_AXIS)
@@ -170,11 +279,12 @@ class ModelRunner:
                 return forward(layout, params, cache, packed[0], previous_tokens, key)
 
             def data_parallel_forward(layout: StepLayout, params, cache, packed, tokens, key):
+                outputs = (split_rows,) * (1 + (layout.steps > 1))  # tokens (and a window's)
                 return jax.shard_map(
                     lambda *args: rank_forward(layout, *args),
                     mesh=mesh,
                     in_specs=(replicated, by_block, split_rows, split_rows, replicated),
-                    out_specs=(split_rows, by_block),
+                    out_specs=(*outputs, by_block),
                     axis_names={sharding.DATA_AXIS},  # "tp" stays with the partitioner
                     check_vma=False,
                 )(params, cache, packed, tokens, key)
@@ -184,16 +294,24 @@ class ModelRunner:
             self._forward = forward
 
     def prepare(
-        self, batches: Sequence[StepBatch], buckets: Buckets
+        self,
+        batches: Sequence[StepBatch],
+        buckets: Buckets,
+        steps: int = 1,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> tuple[StepLayout, np.ndarray, list[np.ndarray], StepShape]:
         """Host side of a step: its layout, the packed buffer (``[len]``, or ``[dp, len]``
         with data parallelism), each rank's rows of the sampled tokens and the step's shape.
         ``batches``: each DP rank's batch (one without DP), all of one shape under
-        ``buckets`` (``batch.pad_ranks`` makes them so)."""
+        ``buckets`` (``batch.pad_ranks`` makes them so). ``steps`` > 1: a window of that many
+        decode steps (decodes only; each request runs its ``batch.steps``), stopping a
+        request at ``eos_token_ids`` where its ``stops_at_eos``."""
         if len(batches) != self.data_parallel:
             raise ValueError(f"{len(batches)} batches for {self.data_parallel} DP ranks")
-        self.step_count += 1
-        prepared = [self._prepare_rank(batch, buckets) for batch in batches]
+        first_step = self.step_count + 1  # a window's steps take the numbers that follow
+        self.step_count += steps
+        window = (steps, tuple(eos_token_ids)) if steps > 1 else None
+        prepared = [self._prepare_rank(batch, buckets, first_step, window) for batch in batches]
         layouts = {layout for layout, *_ in prepared}
         if len(layouts) != 1:  # the engine pads the ranks to one shape: a bug if they differ
             shapes = sorted({shape for *_, shape in prepared})
@@ -204,11 +322,21 @@ class ModelRunner:
         return layouts.pop(), packed, rows, prepared[0][3]
 
     def _prepare_rank(
-        self, batch: StepBatch, buckets: Buckets
+        self,
+        batch: StepBatch,
+        buckets: Buckets,
+        first_step: int,
+        window: tuple[int, tuple[int, ...]] | None,
     ) -> tuple[StepLayout, np.ndarray, np.ndarray, StepShape]:
-        """One rank's step: its layout, packed buffer, request rows and shape."""
+        """One rank's step: its layout, packed buffer, request rows and shape. ``window``:
+        ``(steps, eos_token_ids)`` of a window, whose metadata is its last step's."""
+        context_lens = batch.context_lens
+        if window is not None:
+            if batch.num_prefill_tokens:
+                raise ValueError("a window runs decodes only")
+            context_lens = context_lens + np.maximum(batch.steps - 1, 0)
         metadata = build_metadata(
-            batch.context_lens,
+            context_lens,
             batch.query_lens,
             batch.block_table,
             block_size=self.block_size,
@@ -232,23 +360,45 @@ class ModelRunner:
             input_ids,
             source,
             temperatures.view(np.int32),
-            np.array([self.step_count], np.int32),
+            np.array([first_step], np.int32),
         ]
-        layout = StepLayout(treedef, tuple(a.shape for a in arrays))
+        shape, steps, eos_token_ids = metadata.step_shape(), 1, ()
+        if window is not None:
+            steps, eos_token_ids = window
+            shape = shape._replace(steps=steps)
+            row_steps = np.zeros(len(temperatures), np.int32)
+            row_steps[rows] = batch.steps
+            stops = np.zeros(len(temperatures), np.int32)
+            stops[rows] = batch.stops_at_eos
+            arrays += [row_steps, stops]
+        layout = StepLayout(treedef, tuple(a.shape for a in arrays), steps, eos_token_ids)
         packed = np.concatenate([np.asarray(a, np.int32).ravel() for a in arrays])
-        return layout, packed, rows, metadata.step_shape()
+        return layout, packed, rows, shape
 
-    def launch(self, batches: Sequence[StepBatch], buckets: Buckets) -> StepOutput:
-        """Builds the step (``batches``: each DP rank's) and starts it on the device;
-        returns without waiting for it."""
-        layout, packed, rows, shape = self.prepare(batches, buckets)
+    def launch(
+        self,
+        batches: Sequence[StepBatch],
+        buckets: Buckets,
+        steps: int = 1,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> StepOutput:
+        """Builds the step (``batches``: each DP rank's; ``steps`` > 1: a window, see
+        ``prepare``) and starts it on the device; returns without waiting for it."""
+        layout, packed, rows, shape = self.prepare(batches, buckets, steps, eos_token_ids)
         compiled = []
         program = self.programs.get(layout)
         if program is None:
             program, record = self._compile(layout, packed, shape)
             compiled.append(record)
-        self.tokens, self.cache = program(self.params, self.cache, packed, self.tokens, self.key)
-        return StepOutput(rows, self.tokens, shape, compiled)
+        if steps == 1:
+            self.tokens, self.cache = program(
+                self.params, self.cache, packed, self.tokens, self.key
+            )
+            return StepOutput(rows, self.tokens, shape, compiled)
+        self.tokens, window, self.cache = program(
+            self.params, self.cache, packed, self.tokens, self.key
+        )
+        return StepOutput(rows, window, shape, compiled)
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()
@@ -263,7 +413,10 @@ class ModelRunner:
                     self.tokens.sharding,
                     sharding.replicated(self.mesh),
                 ),
-                out_shardings=(self.tokens.sharding, self.cache.sharding),
+                out_shardings=(
+                    *(self.tokens.sharding,) * (1 + (layout.steps > 1)),  # a window's too
+                    self.cache.sharding,
+                ),
             )
         jitted = jax.jit(lambda *args: self._forward(layout, *args), donate_argnums=1, **shardings)
         lowered = jitted.lower(self.params, self.cache, packed, self.tokens, self.key)

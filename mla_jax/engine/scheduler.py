@@ -7,8 +7,20 @@ free, the newest running request is preempted (its blocks freed) and later recom
 its prompt and the tokens it had generated, as vLLM does. A request waits while its next
 chunk finds no free block.
 
+With prefix caching (``block_manager.py``) a request's full blocks are cached as their tokens
+become known and computed (prompt and generated tokens alike), and stay cached when it
+finishes or is preempted; a request starting (or restarting after preemption) takes the
+longest cached block-aligned prefix of its tokens as context already in the cache and
+computes the rest, at least its last token (whose logits it samples from).
+
 A step is scheduled before the previous one's sampled tokens reach the host (the engine
 overlaps them): a request's sampled but unread token is *pending* (``request.py``).
+
+When every running request decodes and no waiting request could start, the engine may run a
+*window* of several decode steps in one device program (``schedule_window``): each request
+gets the blocks of all its window's tokens up front, so the device never needs a new one,
+and its window ends where its ``max_new_tokens`` (hence the model length) would; a window
+never preempts (``can_run_window`` asks for the free blocks first).
 """
 
 from __future__ import annotations
@@ -18,39 +30,43 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mla_jax.cache.latent_cache import BlockAllocator
+from mla_jax.cache.block_manager import BlockManager
+from mla_jax.cache.metadata import is_decode
 from mla_jax.engine.request import Request
 
 
 class Scheduled(NamedTuple):
     """``count`` tokens of ``request`` from position ``start`` (its context length);
-    ``samples``: the step samples its next token (the chunk ends its tokens)."""
+    ``samples``: the step samples its next token (the chunk ends its tokens); ``steps``: the
+    decode steps a window runs it for (a decode each, ``count`` 1), 1 in a one-step batch."""
 
     request: Request
     start: int
     count: int
     samples: bool
+    steps: int = 1
 
     @property
     def is_decode(self) -> bool:
-        """One token: a decode (a 1-token prompt chunk runs as one too)."""
-        return self.count == 1
+        """One token: a decode (``metadata.is_decode``; a 1-token prompt chunk runs as one
+        too)."""
+        return is_decode(self.count)
 
 
 class Scheduler:
-    """One DP rank's queues (``waiting``, ``running``) over its block allocator; ``schedule``
+    """One DP rank's queues (``waiting``, ``running``) over its block manager; ``schedule``
     picks each step's requests and grows their blocks."""
 
     def __init__(
         self,
-        allocator: BlockAllocator,
+        block_manager: BlockManager,
         *,
         block_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefill_slots: int,
     ):
-        self.allocator = allocator
+        self.block_manager = block_manager
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -58,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.cached_prompt_tokens = 0  # prompt tokens taken from the prefix cache
 
     def add(self, req: Request) -> None:
         """Queues ``req`` behind the waiting ones."""
@@ -81,17 +98,50 @@ class Scheduler:
         """Gives ``req`` the blocks ``num_tokens`` tokens need; False (and nothing taken)
         when too few are free."""
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need > self.allocator.num_free:
+        if need > self.block_manager.num_free:
             return False
         if need > 0:
-            new = np.asarray(self.allocator.allocate(need), np.int32)
+            new = np.asarray(self.block_manager.allocate(need), np.int32)
             req.block_ids = np.concatenate([req.block_ids, new])
         return True
 
     def release(self, req: Request) -> None:
-        """Gives ``req``'s blocks back to the allocator."""
-        self.allocator.free(req.block_ids.tolist())
+        """Gives ``req``'s blocks back to the block manager, its full blocks cached."""
+        self.cache_full_blocks(req)
+        self.block_manager.release(req.block_ids.tolist())
         req.block_ids = np.zeros(0, np.int32)
+        req.num_cached_blocks = 0
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Caches ``req``'s blocks that are full of tokens both computed and known (a pending
+        token's id is not, until the host reads it)."""
+        if not self.block_manager.enable_caching:
+            return
+        known = len(req.prompt_ids) + len(req.output_ids)
+        full = min(req.num_computed, known) // self.block_size
+        done = req.num_cached_blocks
+        if full <= done:
+            return
+        token_ids, _ = req.token_ids(done * self.block_size, full * self.block_size)
+        parent = int(req.block_ids[done - 1]) if done else None
+        self.block_manager.cache(req.block_ids[done:full].tolist(), token_ids, parent)
+        req.num_cached_blocks = full
+
+    def _take_cached_prefix(self, req: Request) -> int:
+        """Gives ``req`` (holding no blocks) the cached blocks of the longest block-aligned
+        prefix of its known tokens that leaves at least one token to compute, as context
+        already computed; returns the tokens it took."""
+        known = len(req.prompt_ids) + len(req.output_ids)
+        limit = min(known, req.num_tokens - 1) // self.block_size * self.block_size
+        token_ids, _ = req.token_ids(0, limit)
+        blocks = self.block_manager.match(token_ids)
+        if not blocks:
+            return 0
+        self.block_manager.acquire(blocks)
+        req.block_ids = np.asarray(blocks, np.int32)
+        req.num_cached_blocks = len(blocks)
+        req.num_computed = len(blocks) * self.block_size
+        return req.num_computed
 
     def schedule(self) -> list[Scheduled]:
         """The next step: every decode first, then up to ``prefill_slots`` prompt chunks
@@ -131,14 +181,14 @@ class Scheduler:
 
         def fitting(req: Request) -> int:
             """The tokens of ``req``'s next chunk that the budget and free blocks allow."""
-            free = (len(req.block_ids) + self.allocator.num_free) * self.block_size
+            free = (len(req.block_ids) + self.block_manager.num_free) * self.block_size
             return min(req.num_tokens - req.num_computed, budget, free - req.num_computed)
 
         for req in list(running):  # oldest first: preemption takes the newest
             if (
                 budget
                 and req.wants_tokens
-                and req.num_tokens - req.num_computed == 1
+                and is_decode(req.num_tokens - req.num_computed)
                 and req not in preempted
             ):
                 add(req, 1, preempt=True)
@@ -149,21 +199,73 @@ class Scheduler:
                 # What the free blocks hold, or else a block's worth made free.
                 n = fitting(req)
                 n = n if n > 0 else min(left, budget, self.block_size)
-                chunks += add(req, n, preempt=True) and n > 1
+                chunks += add(req, n, preempt=True) and not is_decode(n)
         while (
             waiting and budget and chunks < self.prefill_slots and len(running) < self.max_num_seqs
         ):
-            n = fitting(waiting[0])
-            if n <= 0 or not add(waiting[0], n, preempt=False):
+            req = waiting[0]
+            cached = self._take_cached_prefix(req)
+            n = fitting(req)
+            if n <= 0 or not add(req, n, preempt=False):
+                self.release(req)  # its cached prefix, back to the eviction order
+                req.num_computed = 0
                 break
             running.append(waiting.popleft())
-            chunks += n > 1
-        batch.sort(key=lambda rn: rn[1] > 1)  # stable: 1-token chunks join the decodes
-        scheduled = [
-            Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
-            for req, n in batch
-        ]
+            self.cached_prompt_tokens += min(cached, len(req.prompt_ids))
+            chunks += not is_decode(n)
+        batch.sort(key=lambda rn: not is_decode(rn[1]))  # stable: 1-token chunks join the decodes
+        return self._advance(
+            [
+                Scheduled(req, req.num_computed, n, req.num_computed + n == req.num_tokens)
+                for req, n in batch
+            ]
+        )
+
+    def _window_steps(self, req: Request, steps: int) -> int:
+        """The decode steps of a window of ``steps`` that ``req`` runs: as many as it still
+        wants tokens (a request admitted within the model length stays within it)."""
+        return min(steps, req.max_new_tokens - len(req.output_ids) - req.num_pending)
+
+    def can_run_window(self, steps: int) -> bool:
+        """Whether the next step can be a window of ``steps`` decode steps: every running
+        request that wants tokens decodes, within the token budget; no waiting request could
+        start now (none waits, or the running ones fill ``max_num_seqs``: a prompt that waits
+        for room is not delayed by a window beyond the request it waits for); and the free
+        blocks hold every request's tokens of the window."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return False
+        decodes = need = 0
+        for req in self.running:
+            if not req.wants_tokens:
+                continue
+            if not is_decode(req.num_tokens - req.num_computed):
+                return False
+            decodes += 1
+            tokens = req.num_computed + self._window_steps(req, steps)
+            need += max(-(-tokens // self.block_size) - len(req.block_ids), 0)
+        return decodes <= self.max_num_batched_tokens and need <= self.block_manager.num_free
+
+    def schedule_window(self, steps: int) -> list[Scheduled]:
+        """A window of up to ``steps`` decode steps (``can_run_window(steps)`` must hold):
+        every running request that wants tokens, for as many steps as it wants, its blocks
+        grown for all of them. Advances ``num_computed`` and ``num_pending`` by those steps;
+        a request the device stops early (EOS) has them corrected when the host reads its
+        tokens (``Engine``)."""
+        scheduled = []
+        for req in self.running:
+            if req.wants_tokens:
+                req_steps = self._window_steps(req, steps)
+                if not self.grow(req, req.num_computed + req_steps):
+                    raise RuntimeError("a window ran out of blocks: can_run_window did not hold")
+                scheduled.append(Scheduled(req, req.num_computed, 1, True, req_steps))
+        return self._advance(scheduled)
+
+    def _advance(self, scheduled: list[Scheduled]) -> list[Scheduled]:
+        """Counts ``scheduled``'s tokens computed (and sampled, where they sample) and caches
+        the blocks they leave full of known tokens; returns ``scheduled``."""
         for entry in scheduled:
-            entry.request.num_computed += entry.count
-            entry.request.num_pending += entry.samples
+            entry.request.num_computed += entry.count * entry.steps
+            entry.request.num_pending += entry.samples * entry.steps
+            # After this step's admissions: a block is shared from the next step on.
+            self.cache_full_blocks(entry.request)
         return scheduled

@@ -30,16 +30,30 @@ _ROUTED_EXPERTS = nnx.PathContains("experts")
 class DecoderLayer(nnx.Module):
     """Pre-norm MLA attention then a pre-norm MLP or MoE, each added to the residual."""
 
-    def __init__(self, cfg: ModelConfig, *, moe: bool, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        moe: bool,
+        param_dtype,
+        rngs: nnx.Rngs,
+        fp8_blocks: tuple[int, int] | None = None,
+    ):
         eps = cfg.mla.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
-        self.self_attn = MLAAttention(cfg.mla, param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = MLAAttention(
+            cfg.mla, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks
+        )
         self.post_attention_layernorm = RMSNorm(cfg.mla.hidden_size, eps, param_dtype=param_dtype)
         if moe:
-            self.mlp = MoE(cfg.moe, param_dtype=param_dtype, rngs=rngs)
+            self.mlp = MoE(cfg.moe, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks)
         else:
             self.mlp = MLP(
-                cfg.mla.hidden_size, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs
+                cfg.mla.hidden_size,
+                cfg.intermediate_size,
+                param_dtype=param_dtype,
+                rngs=rngs,
+                fp8_blocks=fp8_blocks,
             )
 
     def __call__(
@@ -51,12 +65,18 @@ class DecoderLayer(nnx.Module):
         x = x + h
         h = self.post_attention_layernorm(x)
         moe = isinstance(self.mlp, MoE)
-        h = self.mlp(h, impl=impl, layer=layer_in_run) if moe else self.mlp(h)
+        h = self.mlp(h, impl=impl, layer=layer_in_run) if moe else self.mlp(h, impl=impl)
         return x + h, cache
 
 
 def stacked_layers(
-    cfg: ModelConfig, num_layers: int, *, moe: bool, param_dtype, rngs: nnx.Rngs
+    cfg: ModelConfig,
+    num_layers: int,
+    *,
+    moe: bool,
+    param_dtype,
+    rngs: nnx.Rngs,
+    fp8_blocks: tuple[int, int] | None = None,
 ) -> DecoderLayer:
     """``num_layers`` independently initialised ``DecoderLayer``s as one module whose
     parameters have a leading ``[num_layers]`` axis."""
@@ -64,22 +84,42 @@ def stacked_layers(
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0)
     def make(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(cfg, moe=moe, param_dtype=param_dtype, rngs=rngs)
+        return DecoderLayer(cfg, moe=moe, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks)
 
     return make(rngs)
 
 
 class DeepseekModel(nnx.Module):
-    """Embeddings, decoder layers, final norm and lm_head (HF's DeepseekV2/V3ForCausalLM)."""
+    """Embeddings, decoder layers, final norm and lm_head (HF's DeepseekV2/V3ForCausalLM).
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    ``fp8_blocks = (bo, bi)`` (an FP8 checkpoint's ``weight_block_size``, kept as it is):
+    the decoder layers' projections (attention but ``kv_b_proj``, dense MLPs, shared and
+    routed experts) hold float8_e4m3fn weights with float32 block scales beside them
+    (``<name>_scale_inv``); activations, embedding, norms, router and ``lm_head`` stay in
+    ``param_dtype``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        fp8_blocks: tuple[int, int] | None = None,
+    ):
         self.cfg = cfg
         h = cfg.mla.hidden_size
         self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
         # One stacked module per run of layers (``cfg.layer_runs()``), in order.
         self.layers = nnx.List(
             [
-                stacked_layers(cfg, count, moe=moe, param_dtype=param_dtype, rngs=rngs)
+                stacked_layers(
+                    cfg,
+                    count,
+                    moe=moe,
+                    param_dtype=param_dtype,
+                    rngs=rngs,
+                    fp8_blocks=fp8_blocks,
+                )
                 for _, count, moe in cfg.layer_runs()
             ]
         )

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import kernels
+from mla_jax.kernels.fp8_blocks import FP8, Fp8Blocks
 from mla_jax.model.config import MoEConfig
 from mla_jax.model.layers import MLP
 
@@ -108,7 +109,10 @@ def routed_experts(
     down_proj: jax.Array,
     *,
     layer: int | jax.Array | None = None,
-    grouped_matmul: Callable = kernels.reference.grouped_matmul,
+    grouped_matmul: Callable = kernels.REFERENCE.grouped_matmul,
+    scales: tuple[jax.Array, jax.Array] | None = None,
+    fp8_blocks: tuple[int, int] | None = None,
+    dtype=None,
 ) -> jax.Array:
     """Sum over each token's chosen experts of ``weight x down(silu(gate(x)) * up(x))``.
 
@@ -124,6 +128,11 @@ def routed_experts(
       layer: which of the stacked layers' experts to use (may be traced). The grouped matmul
         reads them in place: slicing a layer's experts out under a scan would copy every
         expert of the layer each step, most of a decode step's time.
+      scales, fp8_blocks: for FP8 experts (float8_e4m3fn), their float32 block scales
+        ``(gate_up_proj_scale_inv [..., E, cdiv(H, bi), 2 cdiv(I, bo)], down_proj_scale_inv
+        [..., E, cdiv(I, bi), cdiv(H, bo)])`` and ``(bo, bi)``; the grouped matmul
+        dequantizes them tile by tile.
+      dtype: what the matmuls run in (x is cast to it); default: the experts' dtype.
 
     Returns:
       ``[T, H]`` float32.
@@ -131,19 +140,30 @@ def routed_experts(
     t, k = expert_ids.shape
     num_experts, inter = down_proj.shape[-3:-1]
     group_offset = 0
+    dtype = dtype or down_proj.dtype
+    gate_up_fp8, down_fp8 = {}, {}
+    if scales is not None:
+        bo, bi = fp8_blocks
+        gate_up_fp8 = dict(rhs_scale_inv=scales[0], blocks=Fp8Blocks(bo, bi, parts=2))
+        down_fp8 = dict(rhs_scale_inv=scales[1], blocks=Fp8Blocks(bo, bi))
     if layer is not None:  # every layer's experts as one [L * E, ...] stack (a free reshape)
         group_offset = layer * num_experts
-        gate_up_proj = gate_up_proj.reshape(-1, *gate_up_proj.shape[2:])
-        down_proj = down_proj.reshape(-1, *down_proj.shape[2:])
+        flatten = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        gate_up_proj, down_proj = flatten(gate_up_proj), flatten(down_proj)
+        for fp8 in (gate_up_fp8, down_fp8):
+            if fp8:
+                fp8["rhs_scale_inv"] = flatten(fp8["rhs_scale_inv"])
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    rows = x.astype(gate_up_proj.dtype)[order // k]
-    gate_up = grouped_matmul(rows, gate_up_proj, group_sizes, group_offset=group_offset)
+    rows = x.astype(dtype)[order // k]
+    gate_up = grouped_matmul(
+        rows, gate_up_proj, group_sizes, group_offset=group_offset, **gate_up_fp8
+    )
     gate_up = gate_up.astype(jnp.float32)
     hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     out = grouped_matmul(
-        hidden.astype(down_proj.dtype), down_proj, group_sizes, group_offset=group_offset
+        hidden.astype(dtype), down_proj, group_sizes, group_offset=group_offset, **down_fp8
     )
     # Back to (token, expert) order by a gather (a scatter-add would serialise on tokens).
     position = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
@@ -167,33 +187,75 @@ class Router(nnx.Module):
 
 class Experts(nnx.Module):
     """The routed experts' SwiGLU weights, stacked over experts: ``gate_up_proj [E, H, 2I]``
-    (gate then up columns, so one grouped matmul computes both) and ``down_proj [E, I, H]``."""
+    (gate then up columns, so one grouped matmul computes both) and ``down_proj [E, I, H]``.
+    With ``fp8_blocks = (bo, bi)``: both float8_e4m3fn, with their float32 block scales
+    ``gate_up_proj_scale_inv [E, cdiv(H, bi), 2 cdiv(I, bo)]`` (gate's grid, then up's) and
+    ``down_proj_scale_inv [E, cdiv(I, bi), cdiv(H, bo)]``."""
 
-    def __init__(self, cfg: MoEConfig, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        param_dtype,
+        rngs: nnx.Rngs,
+        fp8_blocks: tuple[int, int] | None = None,
+    ):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
+        self.fp8_blocks = fp8_blocks
+        if fp8_blocks is None:
+            self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
+            self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
+            return
+        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i)).astype(FP8))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h)).astype(FP8))
+        gate_up = Fp8Blocks(*fp8_blocks, parts=2).scale_shape(h, 2 * i)
+        self.gate_up_proj_scale_inv = nnx.Param(jnp.ones((e, *gate_up), jnp.float32))
+        down = Fp8Blocks(*fp8_blocks).scale_shape(i, h)
+        self.down_proj_scale_inv = nnx.Param(jnp.ones((e, *down), jnp.float32))
+
+    def scales(self) -> tuple[jax.Array, jax.Array] | None:
+        """``(gate_up_proj_scale_inv, down_proj_scale_inv)`` of FP8 experts, else None."""
+        if self.fp8_blocks is None:
+            return None
+        return self.gate_up_proj_scale_inv[...], self.down_proj_scale_inv[...]
 
 
 class MoE(nnx.Module):
     """A DeepSeek MoE layer: ``routed(x) + shared_experts(x)``, ``[T, H] -> [T, H]``."""
 
-    def __init__(self, cfg: MoEConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        fp8_blocks: tuple[int, int] | None = None,
+    ):
         self.cfg = cfg
+        self.dtype = param_dtype
         self.gate = Router(cfg, param_dtype=param_dtype, rngs=rngs)
-        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs, fp8_blocks=fp8_blocks)
         self.shared_experts = MLP(
-            cfg.hidden_size, cfg.shared_intermediate_size, param_dtype=param_dtype, rngs=rngs
+            cfg.hidden_size,
+            cfg.shared_intermediate_size,
+            param_dtype=param_dtype,
+            rngs=rngs,
+            fp8_blocks=fp8_blocks,
         )
 
     def __call__(
-        self, x: jax.Array, *, impl: str = "auto", layer: int | jax.Array | None = None
+        self,
+        x: jax.Array,
+        *,
+        impl: str | kernels.KernelSet = "auto",
+        layer: int | jax.Array | None = None,
     ) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
         (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
         holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
         router and shared experts are this layer's own), which of them to use."""
+        kernel_set = kernels.select(impl)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         expert_ids, weights = route(
             x, self.gate.kernel[...], None if bias is None else bias[...], self.cfg
@@ -205,9 +267,12 @@ class MoE(nnx.Module):
             self.experts.gate_up_proj[...],
             self.experts.down_proj[...],
             layer=layer,
-            grouped_matmul=kernels.select(impl).grouped_matmul,
+            grouped_matmul=kernel_set.grouped_matmul,
+            scales=self.experts.scales(),
+            fp8_blocks=self.experts.fp8_blocks,
+            dtype=self.dtype,
         )
-        shared = self.shared_experts(x.astype(self.experts.down_proj.dtype))
+        shared = self.shared_experts(x.astype(self.dtype), impl=kernel_set)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

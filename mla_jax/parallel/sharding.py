@@ -34,6 +34,8 @@ no collective crosses ``"dp"``.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -52,7 +54,7 @@ DATA_AXIS = "dp"
 # axis is never split. Paths not listed are replicated.
 _COLUMNS = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
 _ROWS = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
-_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
+_WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("self_attn", "q_proj", "kernel"), _COLUMNS),
     (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
     (("self_attn", "kv_b_proj", "kernel"), _COLUMNS),
@@ -64,6 +66,11 @@ _RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("lm_head", "kernel"), _COLUMNS),
     (("experts", "gate_up_proj"), (TENSOR_AXIS, None, None)),  # [E, H, 2I]: by expert
     (("experts", "down_proj"), (TENSOR_AXIS, None, None)),  # [E, I, H]
+)
+# An FP8 weight's block scales (``<name>_scale_inv``, its grid in the weight's layout) split
+# as the weight does.
+_RULES = _WEIGHT_RULES + tuple(
+    ((*path[:-1], path[-1] + "_scale_inv"), spec) for path, spec in _WEIGHT_RULES
 )
 
 
@@ -87,8 +94,24 @@ def make_mesh(
             f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} needs {needed} "
             f"devices; {len(devices)} are available ({devices[0].platform})"
         )
+    _partitioner_for_data_parallel()
     grid = np.array(devices[:needed]).reshape(data_parallel, tensor_parallel)
     return Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
+
+
+def _partitioner_for_data_parallel() -> None:
+    """jaxlib 0.11's Shardy partitioner crashes the process (SIGSEGV, in its pipeline before
+    any pass runs) compiling a data-parallel prefill step with a chunked-context bucket;
+    0.10 and 0.12 compile it. On 0.11 the data-parallel mesh switches JAX to its GSPMD
+    partitioner (a process-wide setting), said once on the log."""
+    if jax.__version_info__[:2] != (0, 11) or not jax.config.jax_use_shardy_partitioner:
+        return
+    jax.config.update("jax_use_shardy_partitioner", False)
+    logging.getLogger(__name__).warning(
+        "jax %s: data parallelism compiles with the GSPMD partitioner "
+        "(jax_use_shardy_partitioner=False): this version's Shardy crashes on the step",
+        jax.__version__,
+    )
 
 
 def data_parallel(mesh: Mesh | None) -> int:
@@ -207,34 +230,42 @@ def _by_experts(grouped_matmul, mesh: Mesh):
     weight), rolls the result back; the ranks' results, each zero outside its own rows, are
     summed."""
 
-    def local(lhs, stacked, group_sizes, layer):
+    def local(lhs, stacked, group_sizes, layer, scales, blocks):
         num_local = stacked.shape[1]
         first = jax.lax.axis_index(TENSOR_AXIS) * num_local
         expert = jnp.arange(group_sizes.shape[0])
         start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
+        fp8 = {}
+        if scales is not None:  # this rank's experts' scales, [L * E/n, ...] as their weights
+            fp8 = dict(rhs_scale_inv=scales.reshape(-1, *scales.shape[2:]), blocks=blocks)
         out = grouped_matmul(
             jnp.roll(lhs, -start, axis=0),
             stacked.reshape(-1, *stacked.shape[2:]),  # this rank's [L * E/n, K, N]
             sizes,
             group_offset=layer * num_local,
+            **fp8,
         )
         return jnp.roll(out, start, axis=0)[None]
 
-    def by_experts(lhs, rhs, group_sizes, *, group_offset=0):
+    def by_experts(lhs, rhs, group_sizes, *, group_offset=0, rhs_scale_inv=None, blocks=None):
         num_experts = group_sizes.shape[0]
         # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
         stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
+        scales = None
+        if rhs_scale_inv is not None:
+            scales = rhs_scale_inv.reshape(-1, num_experts, *rhs_scale_inv.shape[1:])
         layer = jnp.asarray(group_offset, jnp.int32) // num_experts
+        experts = P(None, TENSOR_AXIS)
         run = jax.shard_map(
-            local,
+            functools.partial(local, blocks=blocks),
             mesh=_heads_mesh(mesh),
-            in_specs=(P(), P(None, TENSOR_AXIS), P(), P()),
+            in_specs=(P(), experts, P(), P(), experts),  # scales: None or as the weights
             out_specs=P(TENSOR_AXIS),
             axis_names={TENSOR_AXIS},
             check_vma=False,
         )
-        return run(lhs, stacked, group_sizes, layer).sum(axis=0)
+        return run(lhs, stacked, group_sizes, layer, scales).sum(axis=0)
 
     return by_experts
 
@@ -267,4 +298,8 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     )
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
-    return kernels.KernelSet(mla_decode, flash_prefill, merge_attn_states, grouped_matmul)
+    # The FP8 projections' matmul runs as it is: XLA gives it whole weights (a split FP8
+    # projection is gathered on each device; TP over FP8 projections is not wrapped yet).
+    return kernels.KernelSet(
+        mla_decode, flash_prefill, merge_attn_states, grouped_matmul, kernel_set.fp8_matmul
+    )

@@ -244,5 +244,5 @@ def test_kernel_schedules_add_no_buckets(rng):
         leaves = [a.shape for a in jax.tree.leaves(md)]
         shapes.add((str(jax.tree.structure(md)), tuple(leaves)))
         s = md.decode.schedule
-        assert s.req_items[-1] <= len(s.item_req) and md.prefill.schedule.block_q > 0
+        assert s.req_items[-1] <= len(s.item_req) and md.prefill.schedule.rows_per_tile > 0
     assert len(shapes) == 1

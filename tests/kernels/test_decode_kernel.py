@@ -17,6 +17,8 @@ accumulated in float32).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,7 @@ import pytest
 from conftest import rel_err
 from jax.experimental import pallas as pl
 
-from mla_jax.kernels import decode, reference
+from mla_jax.kernels import decode
 
 TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (3e-3, 2e-5)}
 # A block id no cache has: reading through it is an out-of-bounds access.
@@ -81,7 +83,7 @@ def _check(got, want, lens, dtype):
 
 def _run(args, *, dtype=jnp.float32, impl="pallas", **kwargs):
     q_lat, q_pe, cache, table, lens = args
-    fn = decode.mla_decode if impl == "pallas" else reference.mla_decode
+    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
     if impl != "pallas":
         kwargs.pop("config", None)
     return fn(
@@ -116,8 +118,8 @@ def test_lengths_and_block_sizes(rng, block_size, dtype, impl, variant):
         dtype=dtype,
         impl=impl,
         scale=0.11,
-        schedule=decode.plan(args[-1], num_programs=3, block_k=32),
-        config=decode.default_config(16, 7)._replace(block_k=32, **variant),
+        schedule=decode.schedule_splits(args[-1], num_programs=3, block_k=32),
+        config=dataclasses.replace(decode.DecodeConfig.for_shape(16, 7), block_k=32, **variant),
     )
     _check(got, _expected(*args, 0.11), args[-1], dtype)
 
@@ -135,8 +137,8 @@ def test_any_heads_and_widths(rng, n, lkv, r, impl):
         args,
         impl=impl,
         scale=0.2,
-        schedule=decode.plan(args[-1], num_programs=5, block_k=32, num_items=9),
-        config=decode.default_config(n, 4)._replace(block_k=32),
+        schedule=decode.schedule_splits(args[-1], num_programs=5, block_k=32, num_items=9),
+        config=dataclasses.replace(decode.DecodeConfig.for_shape(n, 4), block_k=32),
     )
     _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
 
@@ -149,10 +151,10 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
     """Every request in one program, up to many programs per request; the device-side
     fallback (no schedule: one program per request); several blocks of heads."""
     args = _case(rng, [130, 7, 64, 0, 201], n=n)
-    config = decode.default_config(n, 5)._replace(block_h=block_h, block_k=32)
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, 5), block_h=block_h, block_k=32)
     kw = dict(scale=0.2, config=config)
     if num_programs:
-        kw["schedule"] = decode.plan(
+        kw["schedule"] = decode.schedule_splits(
             args[-1],
             num_programs=num_programs,
             block_k=32,
@@ -163,7 +165,7 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
 
 def test_default_head_blocks_divide_the_padded_heads():
     for n in (1, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 256):
-        cfg = decode.default_config(n, 8)
+        cfg = decode.DecodeConfig.for_shape(n, 8)
         heads = decode.padded_heads(n)
         assert heads >= n and heads % 16 == 0 and heads - n < 16
         assert heads % cfg.block_h == 0 and cfg.block_h & (cfg.block_h - 1) == 0
@@ -186,14 +188,14 @@ def test_deepseek_scale_compiled(rng, n):
     lens = rng.integers(1, 4096, 64)
     lens[:3] = [4096, 1, 64]
     args = _case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=jnp.bfloat16)
-    config = decode.default_config(n, 64)
+    config = decode.DecodeConfig.for_shape(n, 64)
     programs = decode.num_programs(config, n)
     got = _run(
         args,
         dtype=jnp.bfloat16,
         scale=0.07,
         config=config,
-        schedule=decode.plan(args[-1], num_programs=programs, block_k=config.block_k),
+        schedule=decode.schedule_splits(args[-1], num_programs=programs, block_k=config.block_k),
     )
     _check(got, _expected(*args, 0.07), args[-1], jnp.bfloat16)
 
@@ -202,7 +204,7 @@ def test_plan_balances_tokens():
     """Programs get equal token shares (to a block, and a 10% snap onto request
     boundaries); each request's items tile it in order."""
     lens = np.array([16384, 10, 0, 3000, 1, 700])
-    s = decode.plan(lens, num_programs=32, block_k=64)
+    s = decode.schedule_splits(lens, num_programs=32, block_k=64)
     size = s.item_end - s.item_start
     per_prog = [size[s.prog_items[p] : s.prog_items[p + 1]].sum() for p in range(32)]
     share = int(np.ceil(lens.sum() / 32 / 64)) * 64
@@ -213,6 +215,33 @@ def test_plan_balances_tokens():
         assert (s.item_req[items] == b).all()
         covered = [t for i in items for t in range(s.item_start[i], s.item_end[i])]
         assert covered == list(range(lens[b]))
+
+
+@pytest.mark.parametrize("variant", [{}, {"prefetch": True}], ids=["pallas", "pallas-prefetch"])
+def test_schedule_of_longer_lengths_truncated(rng, variant):
+    """A multi-step decode window builds the schedule for its last step's lengths (up to 8
+    more keys a request) and cuts it to each step's (``truncate_schedule``): the keys past a
+    request's current length (poisoned, and its blocks past them -1 or far outside the
+    cache) are not read, and a request whose cut schedule keeps one non-empty item of
+    several is still combined."""
+    lens = np.array([1, 15, 16, 17, 40, 25, 0, 9])
+    window = np.array([8, 8, 3, 8, 1, 8, 0, 8])  # keys each request gains in the window
+    args = _case(rng, lens)
+    schedule = decode.schedule_splits(lens + window, num_programs=4, block_k=16, num_items=12)
+    cut = decode.truncate_schedule(
+        jax.tree.map(jnp.asarray, schedule), jnp.asarray(lens, jnp.int32)
+    )
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(16, 8), block_k=16, **variant)
+    got = _run(args, scale=0.09, schedule=cut, config=config)
+    _check(got, _expected(*args, 0.09), args[-1], jnp.float32)
+    # The cut left some request with empty items beside a non-empty one (the combine case).
+    items = np.asarray(cut.item_end) - np.asarray(cut.item_start)
+    req_items = np.asarray(cut.req_items)
+    assert any(
+        (items[req_items[b] : req_items[b + 1]] == 0).any()
+        and (items[req_items[b] : req_items[b + 1]] > 0).any()
+        for b in range(len(lens))
+    )
 
 
 def test_outputs_start_poisoned():
@@ -230,7 +259,13 @@ def test_outputs_start_poisoned():
         (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-1]}, "rows are 79 wide"),
         (lambda a: {**a, "q_pe": a["q_pe"].astype(jnp.bfloat16)}, "share a dtype"),
         (lambda a: {**a, "q_lat": a["q_lat"][:, :0], "q_pe": a["q_pe"][:, :0]}, ">= 1"),
-        (lambda a: {**a, "config": decode.default_config(16, 2)._replace(block_h=8)}, "block_h"),
+        (
+            lambda a: {
+                **a,
+                "config": dataclasses.replace(decode.DecodeConfig.for_shape(16, 2), block_h=8),
+            },
+            "block_h",
+        ),
         (lambda a: {**a, "block_table": a["block_table"][:, :1]}, "too narrow"),
         (lambda a: {**a, "block_table": a["block_table"].astype(jnp.float32)}, "int32"),
         (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "seq_lens must be int32"),

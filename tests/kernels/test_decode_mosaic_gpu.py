@@ -69,7 +69,7 @@ def test_heads_lengths_and_splits(rng, n):
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
     args = bf16_tests._case(rng, lens, n=n, lkv=128, r=64, block_size=64, dtype=BF16)
     programs = 4
-    schedule = pallas_triton.plan(
+    schedule = pallas_triton.schedule_splits(
         args[-1],
         num_programs=programs,
         block_k=mosaic.PAGE,
@@ -90,15 +90,41 @@ def test_items_starting_inside_a_page(rng):
     its first page are masked (and merged from the item that owns them)."""
     lens = [300, 97]
     args = bf16_tests._case(rng, lens, n=16, lkv=128, r=64, block_size=64, dtype=BF16)
-    schedule = pallas_triton.plan(args[-1], num_programs=7, block_k=32)
+    schedule = pallas_triton.schedule_splits(args[-1], num_programs=7, block_k=32)
     assert (np.asarray(schedule.item_start) % mosaic.PAGE != 0).any()
     _check(args, 0.2, schedule=schedule)
+
+
+def test_schedule_of_longer_lengths_truncated(rng):
+    """A decode window's schedule, built for lengths up to 64 keys longer and cut to the
+    current ones (``truncate_schedule``): keys past a request's length are not read, and a
+    request left with one non-empty item of several is still combined (wholeness is by item
+    count, as the combine kernel decides it)."""
+    lens = np.array([1, 63, 64, 65, 130, 0, 9])
+    window = np.array([64, 8, 1, 64, 63, 0, 64])
+    args = bf16_tests._case(rng, lens, n=16, lkv=128, r=64, block_size=64, dtype=BF16)
+    schedule = pallas_triton.schedule_splits(
+        lens + window, num_programs=4, block_k=mosaic.PAGE, num_items=11
+    )
+    cut = pallas_triton.truncate_schedule(
+        jax.tree.map(jnp.asarray, schedule), jnp.asarray(lens, jnp.int32)
+    )
+    _check(args, 0.09, schedule=cut)
+    items = np.asarray(cut.item_end) - np.asarray(cut.item_start)
+    req_items = np.asarray(cut.req_items)
+    assert any(
+        (items[req_items[b] : req_items[b + 1]] == 0).any()
+        and (items[req_items[b] : req_items[b + 1]] > 0).any()
+        for b in range(len(lens))
+    )
 
 
 def test_deepseek_dims(rng):
     """Lkv 512 + R 64 (four 64-column tiles for each consumer's half of the output)."""
     args = bf16_tests._case(rng, [70, 1, 129], n=16, lkv=512, r=64, block_size=64, dtype=BF16)
-    schedule = pallas_triton.plan(args[-1], num_programs=2, block_k=mosaic.PAGE, num_items=5)
+    schedule = pallas_triton.schedule_splits(
+        args[-1], num_programs=2, block_k=mosaic.PAGE, num_items=5
+    )
     _check(args, 0.07, schedule=schedule)
 
 
@@ -144,7 +170,7 @@ def test_deepseek_scale_compiled(rng, n):
     lens[:4] = [4096, 1, 64, 0]
     args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
     programs = mosaic.num_programs(n)
-    schedule = pallas_triton.plan(
+    schedule = pallas_triton.schedule_splits(
         args[-1],
         num_programs=programs,
         block_k=mosaic.PAGE,

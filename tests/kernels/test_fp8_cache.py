@@ -23,6 +23,8 @@ Round trip: every element within e4m3's bound (see kernels/fp8.py),
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_
 from mla_jax.checkpoint.loader import load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
 from mla_jax.engine.engine import Engine, EngineConfig, Request
-from mla_jax.kernels import decode, fp8, reference
+from mla_jax.kernels import decode, fp8, paged
 from mla_jax.model.attention import LayerView
 
 OUT_TOL, LSE_TOL, LSE_RTOL = 3.5e-3, 8e-6, 1e-6
@@ -110,7 +112,7 @@ def _fp8_case(rng, lens, *, n=16, lkv=192, r=16, block_size=16):
 
 def _run(args, *, impl, **kwargs):
     q_lat, q_pe, cache, table, lens = args
-    fn = decode.mla_decode if impl == "pallas" else reference.mla_decode
+    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
     if impl != "pallas":
         kwargs.pop("config", None)
     bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
@@ -147,8 +149,8 @@ def test_fp8_lengths_and_block_sizes(rng, block_size, impl, variant):
         args,
         impl=impl,
         scale=0.11,
-        schedule=decode.plan(args[-1], num_programs=3, block_k=32),
-        config=decode.default_config(16, 7)._replace(block_k=32, **variant),
+        schedule=decode.schedule_splits(args[-1], num_programs=3, block_k=32),
+        config=dataclasses.replace(decode.DecodeConfig.for_shape(16, 7), block_k=32, **variant),
     )
     _check(got, args, dequantized, 0.11)
 
@@ -158,8 +160,8 @@ def test_fp8_deepseek_dims(rng, impl):
     """Lkv 512 (four scale groups) + R 64, page 64, 24 heads (padded to 32, two blocks of
     16), split requests."""
     args, dequantized = _fp8_case(rng, [70, 1, 129, 0], n=24, lkv=512, r=64, block_size=64)
-    config = decode.default_config(24, 4)._replace(block_k=32)
-    schedule = decode.plan(args[-1], num_programs=5, block_k=32, num_items=9)
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(24, 4), block_k=32)
+    schedule = decode.schedule_splits(args[-1], num_programs=5, block_k=32, num_items=9)
     got = _run(args, impl=impl, scale=0.07, config=config, schedule=schedule)
     _check(got, args, dequantized, 0.07)
 
@@ -181,8 +183,8 @@ def test_fp8_deepseek_scale_compiled(rng, n, variant):
     lens = rng.integers(1, 4096, 64)
     lens[:3] = [4096, 1, 64]
     args, dequantized = _fp8_case(rng, lens, n=n, lkv=512, r=64, block_size=64)
-    config = decode.default_config(n, 64)._replace(**variant)
-    schedule = decode.plan(
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, 64), **variant)
+    schedule = decode.schedule_splits(
         args[-1], num_programs=decode.num_programs(config, n), block_k=config.block_k
     )
     got = _run(args, impl="pallas", scale=0.07, config=config, schedule=schedule)
@@ -200,24 +202,30 @@ def test_fp8_bad_inputs(rng):
         decode.mla_decode(**q, kv_cache=bad_scales, **kw)
     with pytest.raises(ValueError, match="Fp8Cache parts"):
         decode.mla_decode(**q, kv_cache=cache._replace(scales=cache.scales[..., :1]), **kw)
-    config = decode.default_config(16, 2)
+    config = decode.DecodeConfig.for_shape(16, 2)
     with pytest.raises(ValueError, match="fp8_compute 'float8_e4m3fn' must be"):
         decode.mla_decode(
-            **q, kv_cache=cache, config=config._replace(fp8_compute="float8_e4m3fn"), **kw
+            **q,
+            kv_cache=cache,
+            config=dataclasses.replace(config, fp8_compute="float8_e4m3fn"),
+            **kw,
         )
     with pytest.raises(ValueError, match="prefetch needs split_tail False"):
         decode.mla_decode(
-            **q, kv_cache=cache, config=config._replace(prefetch=True, split_tail=True), **kw
+            **q,
+            kv_cache=cache,
+            config=dataclasses.replace(config, prefetch=True, split_tail=True),
+            **kw,
         )
 
 
 def _rows(cache: fp8.Fp8Cache) -> np.ndarray:
     """Every row ``[num_blocks * block_size, Lkv + R]`` of one layer's FP8 cache,
-    dequantized by ``reference.gather_rows`` (float32)."""
+    dequantized by ``paged.gather_rows`` (float32)."""
     num_blocks, block_size = cache.shape[:2]
     slots = num_blocks * block_size
     return np.asarray(
-        reference.gather_rows(
+        paged.gather_rows(
             cache,
             jnp.arange(num_blocks, dtype=jnp.int32)[None],
             jnp.zeros(slots, jnp.int32),
@@ -316,7 +324,7 @@ def test_engine_serves_from_an_fp8_cache(tiny, rng):
         engine.precompile([[(20, 1), (20, 1), (0, 20)]])
         assert all(part.is_deleted() for part in first)  # donated, not copied
         requests = engine.generate([Request(p, 24, ignore_eos=True) for p in prompts])
-        assert engine.schedulers[0].allocator.num_free == 6 and engine.stats.preemptions > 0
+        assert engine.schedulers[0].block_manager.num_free == 6 and engine.stats.preemptions > 0
         return [r.output_ids for r in requests]
 
     want = run(False)

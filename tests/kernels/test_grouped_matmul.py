@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mla_jax.kernels import grouped_matmul as gm
-from mla_jax.kernels import reference
+from mla_jax.kernels import tiling
 
-KERNELS = {"pallas": gm.grouped_matmul, "reference": reference.grouped_matmul}
+KERNELS = {"pallas": gm.grouped_matmul, "reference": gm.reference.grouped_matmul}
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 7e-3}
 
 
@@ -106,25 +106,25 @@ def test_plan_tiles_each_row_once_within_its_group(block_m, rng):
     under ``max_tiles``, and the traced plan is the host plan followed by empty tiles."""
     sizes = rng.integers(0, 3 * block_m, 12) * (rng.random(12) < 0.7)
     rows = int(sizes.sum()) + 5
-    host = gm.plan(sizes, rows, block_m)
-    bound = gm.max_tiles(rows, len(sizes), block_m)
-    assert host.tile_group.shape[0] <= bound
+    host = gm.schedule_row_tiles(sizes, rows, block_m)
+    bound = tiling.max_tiles(rows, len(sizes), block_m)
+    assert host.tile_segment.shape[0] <= bound
     offsets = np.concatenate([[0], np.cumsum(sizes), [rows]])
     covered = np.zeros(rows, int)
-    for g, lo, hi in zip(host.tile_group, host.tile_start, host.tile_end, strict=True):
+    for g, lo, hi in zip(host.tile_segment, host.tile_start, host.tile_end, strict=True):
         assert 0 < hi - lo <= block_m and offsets[g] <= lo and hi <= offsets[g + 1]
         covered[lo:hi] += 1
     np.testing.assert_array_equal(covered, 1)
-    groups_with_tiles = set(host.tile_group[host.tile_group < len(sizes)].tolist())
+    groups_with_tiles = set(host.tile_segment[host.tile_segment < len(sizes)].tolist())
     assert groups_with_tiles == set(np.flatnonzero(sizes).tolist())
-    traced = jax.jit(lambda s: gm.plan(s, rows, block_m, num_tiles=bound, xp=jnp))(
+    traced = jax.jit(lambda s: gm.schedule_row_tiles(s, rows, block_m, num_tiles=bound, xp=jnp))(
         jnp.asarray(sizes, jnp.int32)
     )
-    n = host.tile_group.shape[0]
-    for field in ("tile_group", "tile_start", "tile_end"):
+    n = host.tile_segment.shape[0]
+    for field in ("tile_segment", "tile_start", "tile_end"):
         mine = np.asarray(getattr(traced, field))
         np.testing.assert_array_equal(mine[:n], getattr(host, field))
-        np.testing.assert_array_equal(mine[n:], np.where(field == "tile_group", len(sizes), 0))
+        np.testing.assert_array_equal(mine[n:], np.where(field == "tile_segment", len(sizes), 0))
 
 
 def test_bad_input_is_refused(rng):

@@ -16,7 +16,7 @@ import numpy_ref as ref
 import pytest
 from conftest import rel_err
 
-from mla_jax.kernels import merge, prefill
+from mla_jax.kernels import merge, prefill, tiling
 
 TOL = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (4e-3, 1e-5)}
 
@@ -32,7 +32,7 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
     q = _cast(rng.standard_normal((tq, n, dqk)), dtype)
     k = _cast(rng.standard_normal((tk, n, dqk)), dtype)
     v = _cast(rng.standard_normal((tk, n, dv)), dtype)
-    schedule = prefill.plan(cu_q, tq, block_q) if host else None
+    schedule = prefill.schedule_query_tiles(cu_q, tq, block_q) if host else None
     out, lse = prefill.flash_prefill(
         *(jnp.asarray(a, dtype) for a in (q, k, v)),
         jnp.asarray(cu_q),
@@ -40,8 +40,7 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
         scale=0.15,
         causal=causal,
         schedule=schedule,
-        block_q=block_q,
-        block_k=16,
+        config=prefill.PrefillConfig(block_q=block_q, block_k=16),
     )
     want, want_lse = ref.attention(q, k, v, ref.ragged_mask(cu_q, cu_k, tq, tk, causal), 0.15)
     out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
@@ -85,14 +84,14 @@ def test_device_side_schedule(rng):
 
 def test_plan_covers_every_row_once():
     cu = np.array([0, 1, 17, 17, 90], np.int32)
-    s = prefill.plan(cu, 100, 16)
+    s = prefill.schedule_query_tiles(cu, 100, 16)
     rows = np.concatenate([np.arange(a, b) for a, b in zip(s.tile_start, s.tile_end, strict=True)])
     assert sorted(rows.tolist()) == list(range(100))
-    for t in range(len(s.tile_seq)):
-        seq = s.tile_seq[t]
+    for t in range(len(s.tile_segment)):
+        seq = s.tile_segment[t]
         lo, hi = (cu[seq], cu[seq + 1]) if seq < 4 else (90, 100)
         assert lo <= s.tile_start[t] <= s.tile_end[t] <= hi
-    assert len(s.tile_seq) <= prefill.max_tiles(100, 4, 16)
+    assert len(s.tile_segment) <= tiling.max_tiles(100, 4, 16)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +132,7 @@ def test_merge(rng, dtype, d):
         jnp.asarray(pls),
         jnp.asarray(so, dtype),
         jnp.asarray(sls),
-        block_rows=16,
+        config=merge.MergeConfig(block_rows=16),
     )
     out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
     want_lse = np.logaddexp(pls.astype(np.float64), sls)

@@ -3,15 +3,36 @@ kernel tests use). float32 inputs: relative error 1e-5."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 import numpy_ref as ref
 import pytest
 from conftest import rel_err
 
-from mla_jax.kernels import reference
+from mla_jax.kernels import decode, grouped_matmul, merge, prefill
 
 TOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "kernel,reference",
+    [
+        (decode.mla_decode, decode.reference.mla_decode),
+        (prefill.flash_prefill, prefill.reference.flash_prefill),
+        (merge.merge_attn_states, merge.reference.merge_attn_states),
+        (grouped_matmul.grouped_matmul, grouped_matmul.reference.grouped_matmul),
+    ],
+)
+def test_reference_takes_the_kernels_arguments(kernel, reference):
+    """Each reference is a drop-in for its kernel: the same parameter names, kinds and
+    defaults, so that a call written for one runs the other."""
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert parameters(reference) == parameters(kernel)
 
 
 def test_mla_decode(rng):
@@ -21,7 +42,7 @@ def test_mla_decode(rng):
     cache = rng.standard_normal((num_blocks, bs, lkv + r)).astype(np.float32)
     q_lat = rng.standard_normal((5, n, lkv)).astype(np.float32)
     q_pe = rng.standard_normal((5, n, r)).astype(np.float32)
-    out, lse = reference.mla_decode(
+    out, lse = decode.reference.mla_decode(
         jnp.asarray(q_lat),
         jnp.asarray(q_pe),
         jnp.asarray(cache),
@@ -49,7 +70,7 @@ def test_flash_prefill(rng, causal):
     q = rng.standard_normal((tq, 4, 24)).astype(np.float32)
     k = rng.standard_normal((tk, 4, 24)).astype(np.float32)
     v = rng.standard_normal((tk, 4, 8)).astype(np.float32)
-    out, lse = reference.flash_prefill(
+    out, lse = prefill.reference.flash_prefill(
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
@@ -71,7 +92,7 @@ def test_merge_with_empty_sides(rng):
     pl_, sl = (rng.standard_normal((t, n)).astype(np.float32) for _ in range(2))
     pl_[0], sl[1] = -np.inf, -np.inf
     pl_[2], sl[2] = -np.inf, -np.inf
-    out, lse = reference.merge_attn_states(*map(jnp.asarray, (po, pl_, so, sl)))
+    out, lse = merge.reference.merge_attn_states(*map(jnp.asarray, (po, pl_, so, sl)))
     out, lse = np.asarray(out), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any() and not np.isposinf(lse).any()
     np.testing.assert_allclose(out[0], so[0], rtol=1e-6)

@@ -18,8 +18,6 @@ forgot it) multiplies a latent by ~2^7 and fails it.
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,129 +28,13 @@ from conftest import generate_script, rel_err
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
+
 from mla_jax.cache.latent_cache import init_cache  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
 from mla_jax.checkpoint.loader import load_model  # noqa: E402
 from mla_jax.engine.batch import build_batch  # noqa: E402
 from mla_jax.engine.engine import Engine, EngineConfig, Request  # noqa: E402
-
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    kv_lora_rank=32,
-    qk_nope_head_dim=24,
-    v_head_dim=16,
-    max_position_embeddings=512,
-    first_k_dense_replace=2,  # dense layers (the MoE checkpoints below override it)
-    eos_token_id=None,
-    bos_token_id=None,
-)
-YARN = dict(
-    factor=8.0,
-    original_max_position_embeddings=16,
-    beta_fast=32,
-    beta_slow=1,
-)
-
-
-def _v3_current_schema():
-    cfg = transformers.DeepseekV3Config(
-        **COMMON,
-        num_attention_heads=8,
-        qk_rope_head_dim=16,
-        q_lora_rank=24,
-        rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, mscale=1.0, mscale_all_dim=1.0, **YARN
-        ),
-    )
-    return transformers.DeepseekV3ForCausalLM, cfg, None
-
-
-def _v2_lite_legacy_schema():
-    cfg = transformers.DeepseekV2Config(
-        **COMMON,
-        num_attention_heads=4,
-        qk_rope_head_dim=8,
-        q_lora_rank=None,
-        rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, mscale=0.707, mscale_all_dim=0.707, **YARN
-        ),
-    )
-
-    def to_legacy(d):
-        rope = d.pop("rope_parameters")
-        d["rope_theta"] = rope.pop("rope_theta")
-        rope.pop("rope_type")
-        d["rope_scaling"] = {"type": "yarn", **rope}
-        return d
-
-    return transformers.DeepseekV2ForCausalLM, cfg, to_legacy
-
-
-# Layer 0 dense, layers 1-2 mixture-of-experts (one stacked run of two, so that each must
-# find its own experts in the run's stack): 8 routed experts in 4 groups, 2 groups kept, top
-# 2, a shared expert, routed_scaling_factor not 1.
-MOE = dict(
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
-    moe_intermediate_size=24,
-    n_shared_experts=1,
-    routed_scaling_factor=2.5,
-)
-
-
-def _v3_moe():
-    cls, cfg, _ = _v3_current_schema()
-    cfg = transformers.DeepseekV3Config(**{**cfg.to_dict(), **MOE, "norm_topk_prob": True})
-    return cls, cfg, None
-
-
-def _v2_moe():
-    cfg = transformers.DeepseekV2Config(
-        **{**COMMON, **MOE},
-        num_attention_heads=4,
-        qk_rope_head_dim=8,
-        q_lora_rank=None,
-        topk_method="group_limited_greedy",
-    )
-    return transformers.DeepseekV2ForCausalLM, cfg, None
-
-
-CHECKPOINTS = {
-    "v3": _v3_current_schema,
-    "v2-lite-legacy": _v2_lite_legacy_schema,
-    "v3-moe": _v3_moe,
-    "v2-moe": _v2_moe,
-}
-
-
-def write_checkpoint(name: str, path, seed: int):
-    """Writes checkpoint ``name`` of ``CHECKPOINTS`` with random weights (from ``seed``) to
-    ``path``; returns the transformers model, float32, in eval mode."""
-    cls, cfg, rewrite = CHECKPOINTS[name]()
-    torch.manual_seed(seed)
-    model = cls(cfg).float().eval()
-    with torch.no_grad():
-        for _name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    if rewrite is not None:
-        config_path = os.path.join(path, "config.json")
-        with open(config_path) as f:
-            d = rewrite(json.load(f))
-        with open(config_path, "w") as f:
-            json.dump(d, f)
-        model = cls.from_pretrained(path).float().eval()
-    return model
 
 
 @pytest.fixture(params=list(CHECKPOINTS))
@@ -209,42 +91,34 @@ def test_greedy_tokens_match(checkpoint, rng, budget, impl, request):
         assert output["generated_ids"] == out[0, len(prompt) :].tolist()
 
 
-def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, rng):
-    """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
-    block scales (blocks of 16 x 8, so edge blocks are partial) loads dequantized: logits
-    equal transformers' run on the dequantized weights."""
-    from fp8_checkpoint import quantize
-    from safetensors.torch import load_file, save_file
+@pytest.fixture
+def fp8_checkpoint(tmp_path, rng):
+    """``fp8_checkpoint.write_fp8_checkpoint`` with blocks of 16 x 8 (edge blocks partial,
+    blocks narrower than a kernel's K step): its transformers model, path and fp8 names."""
+    from fp8_checkpoint import write_fp8_checkpoint
 
-    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization, dequantize
+    from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
 
-    cls, cfg, _ = _v3_moe()
-    torch.manual_seed(int(rng.integers(2**31)))
-    hf = cls(cfg).float().eval()
     blocks = FP8BlockQuantization((16, 8))
-    quantized = {}
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-                continue
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-            if name.endswith("proj.weight") and p.ndim == 2:
-                weight, scale = quantize(p.numpy(), blocks)
-                quantized[name] = (weight, scale)
-                p.copy_(torch.from_numpy(dequantize(weight, scale, blocks)))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    tensors = load_file(tmp_path / "model.safetensors")
-    for name, (weight, scale) in quantized.items():
-        tensors[name] = torch.from_numpy(weight.view(np.uint8)).view(torch.float8_e4m3fn)
-        tensors[name + "_scale_inv"] = torch.from_numpy(scale)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 8]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf, names = write_fp8_checkpoint(tmp_path, int(rng.integers(2**31)), blocks)
+    return hf, tmp_path, names
 
-    assert len(quantized) > 10
-    cfg, model = load_model(tmp_path)
+
+@pytest.mark.parametrize("fp8_weights", ["dequantize", "keep"])
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
+    fp8_checkpoint, rng, fp8_weights
+):
+    """A V3 MoE checkpoint with its projection and expert matrices in float8_e4m3fn with
+    block scales, loaded dequantized or kept FP8 (dequantized by the reference matmuls):
+    logits equal transformers' run on the dequantized weights."""
+    hf, path, names = fp8_checkpoint
+    assert len(names) > 10 and any(".experts.3.up_proj" in name for name in names)
+    cfg, model = load_model(path, fp8_weights=fp8_weights)
+    attention = model.layers[0].self_attn
+    kept = fp8_weights == "keep"
+    assert (attention.q_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
+    assert attention.kv_b_proj.kernel.dtype == jnp.float32  # dequantized at load either way
+    assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept
     prompt = rng.integers(0, 96, 9).tolist()
     md = build_metadata(
         np.zeros(1, np.int32),
@@ -261,6 +135,28 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
     assert rel_err(np.asarray(logits)[md.request_rows()][0], want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_kept_fp8_weights_greedy_tokens_match(fp8_checkpoint, rng, impl):
+    """``generate.py --dtype float32 --fp8-weights keep`` (chunked prefill, then decodes)
+    vs transformers' greedy generate on the dequantized weights; ``pallas``: the FP8 matmul
+    and grouped matmul kernels dequantize tile by tile (interpreted on a CPU)."""
+    hf, path, _ = fp8_checkpoint
+    prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]
+    argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "6"]
+    argv += ["--no-compilation-cache", "--fp8-weights", "keep"]
+    argv += ["--block-size", "4", "--workspace-size", "8", "--impl", impl]
+    argv += ["--max-num-batched-tokens", "8"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = generate_script().main(argv)
+    for prompt, output in zip(prompts, result["outputs"], strict=True):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
+            )
+        assert output["generated_ids"] == out[0, len(prompt) :].tolist()
 
 
 FP8_LOGITS_TOL = 0.3

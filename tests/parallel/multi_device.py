@@ -11,10 +11,14 @@ environment. The job names checkpoints, the ``generate.py`` flags they run with 
 for the ``inspect`` checkpoint at ``inspect_tp`` every parameter's and the cache's placement
 and the collectives of a compiled decode step, and the errors of the Pallas kernels run
 under ``shard_map`` at ``inspect_tp`` (heads or experts split). The job's ``dp_runs``
-(checkpoint, data_parallel, tensor_parallel, impl) run with ``dp_flags``; for the ``inspect``
-checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result holds the cache's
-placement, each step's requests per DP rank and the collectives with their device groups.
-The test file judges them.
+(checkpoint, data_parallel, tensor_parallel, impl, decode window) run with ``dp_flags``; for
+the ``inspect`` checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result
+holds the cache's placement, each step's requests per DP rank and the collectives with their
+device groups.
+The job's ``prefix`` runs its waves of prompts (one ``generate`` call each) on one engine with
+prefix caching, its flags and (data_parallel, tensor_parallel): the result holds each
+request's tokens, the DP rank it joined and each wave's cached prompt tokens. The test file
+judges them.
 """
 
 from __future__ import annotations
@@ -110,14 +114,14 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
     per_rank = []
     launch = engine._launch
 
-    def recording_launch(scheduled, *args):
+    def recording_launch(scheduled, *args, **kwargs):
         per_rank.append(
             [
                 [sum(e.is_decode for e in batch), sum(not e.is_decode for e in batch)]
                 for batch in scheduled
             ]
         )
-        return launch(scheduled, *args)
+        return launch(scheduled, *args, **kwargs)
 
     engine._launch = recording_launch
     requests = [Request(p, args.max_new_tokens) for p in prompts]
@@ -128,6 +132,34 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
         "dp_cache": _placement(runner.cache),
         "dp_collectives": _collectives(runner.programs.values()),
     }
+
+
+def _prefix_caching(path: str, flags: list[str], prefix: dict) -> dict:
+    """The ``prefix`` job's waves on one engine (``generate.py``'s settings from ``flags``,
+    sized for all the waves' prompts): tokens, DP rank and cached prompt tokens."""
+    generate = generate_script()
+    parser = generate._parser()
+    data_parallel, tensor_parallel = prefix["data_parallel"], prefix["tensor_parallel"]
+    argv = ["--model", path, *flags, "--dp", str(data_parallel), "--tp", str(tensor_parallel)]
+    args = parser.parse_args(argv)
+    prompts = [prompt for wave in prefix["waves"] for prompt in wave]
+    _, model = load_model(path)
+    engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
+    ranks = []
+    rank_for = engine._rank_for
+
+    def recording_rank_for(req):
+        ranks.append(rank_for(req))
+        return ranks[-1]
+
+    engine._rank_for = recording_rank_for
+    tokens, cached = [], []
+    for wave in prefix["waves"]:
+        before = engine.stats.cached_prompt_tokens
+        requests = engine.generate([Request(p, args.max_new_tokens) for p in wave])
+        tokens.append([req.output_ids for req in requests])
+        cached.append(engine.stats.cached_prompt_tokens - before)
+    return {"prefix_tokens": tokens, "prefix_ranks": ranks, "prefix_cached": cached}
 
 
 def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
@@ -189,11 +221,12 @@ def main(job_path: str, result_path: str) -> None:
         )
         key = f"{name}/{tensor_parallel}/{impl}"
         tokens[key] = [output["generated_ids"] for output in result["outputs"]]
-    for name, data_parallel, tensor_parallel, impl in job["dp_runs"]:
+    for name, data_parallel, tensor_parallel, impl, window in job["dp_runs"]:
         argv = ["--model", job["checkpoints"][name], *job["dp_flags"], "--impl", impl]
+        argv += ["--decode-window", str(window)]
         start = time.perf_counter()
         result = generate.main([*argv, "--dp", str(data_parallel), "--tp", str(tensor_parallel)])
-        key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+        key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}/window{window}"
         print(f"{key}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
         tokens[key] = [output["generated_ids"] for output in result["outputs"]]
     inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
@@ -205,6 +238,15 @@ def main(job_path: str, result_path: str) -> None:
             *job["dp_inspect"],
         )
     )
+    if "prefix" in job:
+        prefix = job["prefix"]
+        inspected.update(
+            _prefix_caching(
+                job["checkpoints"][prefix["checkpoint"]],
+                [*prefix["flags"], "--impl", "reference"],
+                prefix,
+            )
+        )
     with open(result_path, "w") as f:
         json.dump(
             {"devices": jax.device_count(), "tokens": tokens, "kernel_errors": errors, **inspected},

@@ -8,8 +8,10 @@ greedy float32 tokens at TP 2 and 4 on transformers test checkpoints (8 heads wi
 prefill included, against transformers' greedy generate; at TP 4, where every parameter and
 the cache live and which collectives a compiled step runs; the Pallas kernels under
 shard_map. Data parallelism: greedy tokens at DP 2 and DP 2 x TP 2 on three prompts of
-different lengths (ranks idle or lacking a part in some steps), the cache split over the DP
-ranks, collectives only within a DP rank. Refusals run here, on this process's one device.
+different lengths (ranks idle or lacking a part in some steps), at DP 2 in decode windows
+too, the cache split over the DP ranks, collectives only within a DP rank; prefix caching
+at DP 2 x TP 2 (requests steered to the rank that caches their prefix while it has room).
+Refusals run here, on this process's one device.
 """
 
 from __future__ import annotations
@@ -42,8 +44,17 @@ INSPECT, INSPECT_TP = "v2-moe", 4  # a dense layer and a MoE layer
 # Data parallelism: three prompts over two ranks (13 and 9 on rank 0, 5 on rank 1): rank 1
 # prefills in one step while rank 0 takes three, and finishes first (then it is idle).
 DP_PROMPT_LENGTHS = (13, 5, 9)
-DP_RUNS = [["v3", 2, 1, "reference"], ["v3", 2, 2, "reference"]]
+# The last run in decode windows of 4 steps: a rank that finishes first runs padding in them.
+DP_RUNS = [["v3", 2, 1, "reference", 1], ["v3", 2, 2, "reference", 1], ["v3", 2, 1, "reference", 4]]
 DP_INSPECT = [2, 2]  # data_parallel, tensor_parallel of the inspected (INSPECT) run
+# Prefix caching at DP 2 x TP 2 (max_num_seqs 4 a rank), two generate calls: a prompt with a
+# 10-token prefix (rank 0), then an unrelated prompt and four with the prefix. Rank 0 caches
+# the prefix: three of them join it (the least loaded rank would be rank 1) until it holds
+# max_num_seqs requests; the fourth finds no room there and goes to rank 1, uncached.
+PREFIX_LEN = 10
+PREFIX_WAVES = [[5], [0, 3, 4, 3, 2]]  # the tokens after the prefix (0: an unrelated prompt)
+PREFIX_RANKS = [0, 0, 0, 0, 0, 1]
+PREFIX_CACHED = [0, 3 * 8]  # the 10-token prefix: 2 blocks of 4 for each of the three
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +63,35 @@ def multi_device(tmp_path_factory):
     transformers greedy tokens of each checkpoint)."""
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from test_hf import write_checkpoint
+    from hf_checkpoints import write_checkpoint
 
     rng = np.random.default_rng([_BASE_SEED, 12])
     prompts = [rng.integers(0, 96, n).tolist() for n in PROMPT_LENGTHS]
     dp_prompts = [rng.integers(0, 96, n).tolist() for n in DP_PROMPT_LENGTHS]
+    prefix_rng = np.random.default_rng([_BASE_SEED, 12, 24])  # (the other draws unchanged)
+    prefix = prefix_rng.integers(0, 96, PREFIX_LEN).tolist()
+    prefix_waves = [
+        [
+            prefix + prefix_rng.integers(0, 96, n).tolist()
+            if n
+            else prefix_rng.integers(0, 96, 9).tolist()
+            for n in wave
+        ]
+        for wave in PREFIX_WAVES
+    ]
     flags, dp_flags = list(FLAGS), list(FLAGS)
     for prompt in prompts:
         flags += ["--prompt-ids", ",".join(map(str, prompt))]
     for prompt in dp_prompts:
         dp_flags += ["--prompt-ids", ",".join(map(str, prompt))]
     root = tmp_path_factory.mktemp("tp")
-    checkpoints, expected, dp_expected = {}, {}, {}
+    checkpoints, expected, dp_expected, prefix_expected = {}, {}, {}, {}
     for name in sorted({run[0] for run in RUNS}):
         path = root / name
         hf = write_checkpoint(name, path, int(rng.integers(2**31)))
         checkpoints[name] = str(path)
         with torch.no_grad():
-            expected[name], dp_expected[name] = (
+            expected[name], dp_expected[name], prefix_expected[name] = (
                 [
                     hf.generate(
                         torch.tensor([p]),
@@ -79,11 +101,14 @@ def multi_device(tmp_path_factory):
                     )[0, len(p) :].tolist()
                     for p in some
                 ]
-                for some in (prompts, dp_prompts)
+                for some in (prompts, dp_prompts, [p for wave in prefix_waves for p in wave])
             )
     job = dict(checkpoints=checkpoints, flags=flags, runs=RUNS, inspect=INSPECT)
     job.update(inspect_tp=INSPECT_TP, seed=int(rng.integers(2**31)))
     job.update(dp_flags=dp_flags, dp_runs=DP_RUNS, dp_inspect=DP_INSPECT)
+    job["prefix"] = dict(
+        checkpoint="v3", flags=FLAGS, waves=prefix_waves, data_parallel=2, tensor_parallel=2
+    )
     (root / "job.json").write_text(json.dumps(job))
     tests = os.path.dirname(__file__)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -104,7 +129,8 @@ def multi_device(tmp_path_factory):
         signal_name = signal.Signals(-done.returncode).name
         pytest.fail(f"multi_device.py died of {signal_name}:\n{done.stderr[-6000:]}")
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((root / "out").read_text()), {**expected, "dp": dp_expected}
+    result = json.loads((root / "out").read_text())
+    return result, {**expected, "dp": dp_expected, "prefix": prefix_expected}
 
 
 @pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in RUNS])
@@ -220,8 +246,8 @@ def test_tensor_parallel_beyond_the_devices_is_refused(capsys):
 @pytest.mark.parametrize("run", ["/".join(map(str, run)) for run in DP_RUNS])
 def test_data_parallel_greedy_tokens_match_transformers(multi_device, run):
     result, expected = multi_device
-    name, data_parallel, tensor_parallel, impl = run.split("/")
-    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}"
+    name, data_parallel, tensor_parallel, impl, window = run.split("/")
+    key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/{impl}/window{window}"
     assert result["tokens"][key] == expected["dp"][name]
 
 
@@ -247,6 +273,16 @@ def test_data_parallel_ranks_run_their_own_requests_on_their_own_cache(multi_dev
     assert cache["device_bytes"] == [cache["nbytes"] // data_parallel] * DEVICES
     groups = {groups for _, _, groups in result["dp_collectives"]}
     assert result["dp_collectives"] and groups <= {"{{0,1},{2,3}}", "[2,2]<=[4]"}, groups
+
+
+def test_data_parallel_prefix_caching(multi_device):
+    """Prefix caching at DP 2 x TP 2: transformers' tokens; each request on the rank that
+    caches its prefix while that rank has room; the cached prompt tokens that follow."""
+    result, expected = multi_device
+    tokens = [out for wave in result["prefix_tokens"] for out in wave]
+    assert tokens == expected["prefix"]["v3"]
+    assert result["prefix_ranks"] == PREFIX_RANKS
+    assert result["prefix_cached"] == PREFIX_CACHED
 
 
 @pytest.mark.parametrize(

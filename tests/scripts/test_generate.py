@@ -48,6 +48,7 @@ def _usage_error(capsys, argv: list[str]) -> str:
         (["--temperature", "nan"], "argument --temperature: want a number >= 0"),
         (["--block-size", "32", "--workspace-size", "16"], "workspace_size (16) must hold"),
         (["--impl", "triton"], "argument --impl: invalid choice: 'triton'"),
+        (["--decode-window", "0"], "argument --decode-window: want an integer >= 1, got '0'"),
     ],
 )
 def test_bad_numbers_are_named(capsys, flags, message):
@@ -68,6 +69,13 @@ def test_bad_numbers_are_named(capsys, flags, message):
 def test_bad_prompt_ids_are_named(capsys, ids, message):
     line = _usage_error(capsys, ARGV + ["--prompt-ids", ids])
     assert f"argument --prompt-ids: {message} (want comma-separated integers >= 0)" in line
+
+
+def test_model_is_required_but_in_a_smoke_run(capsys):
+    line = _usage_error(capsys, REQUEST)
+    assert line.endswith("error: the following arguments are required: --model")
+    line = _usage_error(capsys, ["--smoke"])  # refused before anything runs
+    assert line.endswith("error: --smoke needs --output (the result JSON)")
 
 
 def test_prompt_ids_allow_spaces():
@@ -127,3 +135,36 @@ def test_script_prints_a_checkpoint_error_in_one_line(tmp_path):
     proc = _run_script(["--model", str(tmp_path), *REQUEST], cache=str(tmp_path / "cache"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == "error: moe_layer_freq must be an integer >= 1, got 0"
+
+
+V3_DIR = os.path.join(ROOT, "tests", "data", "deepseek-v3")  # config.json only, no weights
+
+
+def test_plan_only_reads_the_config_alone(capsys, tmp_path):
+    output = tmp_path / "plan.json"
+    result = generate.main(["--model", V3_DIR, "--plan-only", "--output", str(output)])
+    table = capsys.readouterr().out
+    assert "671.03 B parameters" in table and "planned" in table
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    tp8 = result["plan"][1]
+    gib = tp8["weight_bytes_per_device"] / 2**30
+    assert f"| tp8 | yes | fp8 | {gib:.1f} | 70,272 / 40,016 | 8 |" in table
+    assert result["settings"]["dtype"] == "bfloat16"  # --dtype's default for a plan
+    names = [(row["layout"], row["weights"]) for row in result["plan"]]
+    assert names[:2] == [("tp8", "bfloat16"), ("tp8", "fp8")] and len(names) == 14
+
+
+@pytest.mark.parametrize("headroom", ["1", "-0.1", "ten"])
+def test_plan_headroom_must_be_a_fraction(capsys, headroom):
+    message = _usage_error(capsys, ["--model", V3_DIR, "--plan-only", "--headroom", headroom])
+    assert f"argument --headroom: want a number in [0, 1), got '{headroom}'" in message
+
+
+def test_plan_only_in_a_smoke_run(tmp_path):
+    output = tmp_path / "plan.json"
+    flags = ["--smoke", "--plan-only", "--output", str(output)]
+    proc = _run_script(flags, cache=str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(output.read_text())["plan"]
+    assert rows[0]["layout"] == "tp8" and rows[0]["weight_bytes_per_device"] > 0
+    assert not (tmp_path / "cache").exists()  # the tiny model's config: no checkpoint written

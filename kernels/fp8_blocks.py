@@ -1,0 +1,136 @@
+"""FP8 weights with block scales (DeepSeek's ``weight_scale_inv``) in the kernels' ``[K, N]``
+layout, shared by ``fp8_matmul``, ``grouped_matmul`` and their references.
+
+A weight ``[..., K, N]`` (HF's ``[N, K]`` transposed) is stored as float8_e4m3fn with one
+float32 scale per ``block_in`` rows x ``block_out`` columns; its value is the fp8 value times
+its block's scale. The edge blocks may be partial (the grid is ``cdiv``-sized). A fused weight
+of ``parts`` side-by-side matrices (the routed experts' ``gate_up_proj``: gate then up) holds
+each part's own grid, so the scale grid is ``[..., cdiv(K, block_in), parts x cdiv(N / parts,
+block_out)]``. The Pallas kernels load a weight tile as fp8, gather its scales (one scale row
+per K step when ``block_in`` is a multiple of the step, else one per tile row) and dequantize
+the tile in registers into the activations' dtype before the MMA: the weight crosses HBM once,
+in fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Blocks:
+    """The scale blocks of an FP8 weight ``[..., K, N]``: ``block_in`` rows (of K) by
+    ``block_out`` columns (of N) per float32 scale, in each of ``parts`` column parts."""
+
+    block_out: int
+    block_in: int
+    parts: int = 1
+
+    def __post_init__(self):
+        for name in ("block_out", "block_in", "parts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Fp8Blocks.{name} must be an integer >= 1, got {value!r}")
+
+    def scale_shape(self, depth: int, width: int) -> tuple[int, int]:
+        """``[cdiv(K, block_in), parts x cdiv(N / parts, block_out)]`` for a ``[K, N]``
+        weight."""
+        return math.ceil(depth / self.block_in), self.parts * math.ceil(
+            width // self.parts / self.block_out
+        )
+
+    def check(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
+        """ValueError (one line, naming ``what``) unless ``weight [..., K, N]`` is
+        float8_e4m3fn and ``scale_inv`` float32 of its grid, N splitting into the parts."""
+        if weight.dtype != FP8 or scale_inv.dtype != jnp.float32:
+            raise ValueError(
+                f"{what} must be float8_e4m3fn with float32 scales, got {weight.dtype} and "
+                f"{scale_inv.dtype}"
+            )
+        *lead, depth, width = weight.shape
+        if width % self.parts:
+            raise ValueError(f"{what} {list(weight.shape)}: N is not {self.parts} equal parts")
+        want = (*lead, *self.scale_shape(depth, width))
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(
+                f"{what} scale_inv {list(scale_inv.shape)} does not fit {list(weight.shape)} "
+                f"with {self} (expected {list(want)})"
+            )
+
+
+def scale_columns(columns: jax.Array, width: int, blocks: Fp8Blocks) -> jax.Array:
+    """The scale-grid column of each weight column in ``columns`` (int32) of an ``N =
+    width`` weight: ``part x cdiv(N / parts, block_out) + (column within its part) //
+    block_out``."""
+    part_width = width // blocks.parts
+    part = columns // part_width
+    per_part = -(-part_width // blocks.block_out)
+    return part * per_part + (columns - part * part_width) // blocks.block_out
+
+
+def dequantize(
+    weight: jax.Array, scale_inv: jax.Array, blocks: Fp8Blocks, dtype=jnp.float32
+) -> jax.Array:
+    """``weight [..., K, N]`` float8_e4m3fn times its blocks' ``scale_inv`` -> ``dtype``
+    (computed in float32), in jnp: what the references use, and what a tile of the kernels
+    is."""
+    depth, width = weight.shape[-2:]
+    rows = jnp.arange(depth) // blocks.block_in
+    cols = scale_columns(jnp.arange(width), width, blocks)
+    scales = scale_inv[..., rows, :][..., cols]
+    return (weight.astype(jnp.float32) * scales).astype(dtype)
+
+
+def dequantize_tile(
+    tile: jax.Array,
+    scale_ref,
+    lead: tuple,
+    k0,
+    columns: jax.Array,
+    k_ok: jax.Array | None,
+    col_ok: jax.Array | None,
+    blocks: Fp8Blocks,
+    width: int,
+    dtype,
+) -> jax.Array:
+    """Inside a Pallas kernel: the fp8 weight tile ``[block_k, block_n]`` at rows ``k0 + [0,
+    block_k)`` and ``columns [block_n]`` (int32) of a ``width``-column weight, times its
+    scales read from ``scale_ref`` (indexed by the scalars ``lead``, then the grid's row and
+    column) -> ``dtype``. ``k_ok [block_k]`` and ``col_ok [block_n]`` (or None: all inside):
+    the tile's rows and columns inside the weight; no scale outside it is read."""
+    block_k = tile.shape[0]
+    scale_cols = scale_columns(columns, width, blocks)
+    if blocks.block_in % block_k == 0:
+        # The K step lies in one scale row (k0 is a multiple of block_k, and k0 < K): a row
+        # of scales; rows past K are zeros in the tile.
+        index = scale_ref.at[(*lead, k0 // blocks.block_in, scale_cols)]
+        scales = (index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0))[
+            None, :
+        ]
+    else:  # blocks smaller than the step (tests' tiny blocks): a scale per element
+        rows = (k0 + jnp.arange(block_k, dtype=jnp.int32)) // blocks.block_in
+        mask = None if k_ok is None and col_ok is None else _mask(k_ok, col_ok, tile.shape)
+        index = scale_ref.at[(*lead, rows[:, None], scale_cols[None, :])]
+        scales = index[...] if mask is None else plgpu.load(index, mask=mask, other=0.0)
+    values = tile.astype(jnp.float32)
+    if k_ok is not None or col_ok is not None:  # masked elements were loaded undefined
+        inside = _mask(k_ok, col_ok, tile.shape)
+        values = jnp.where(inside, values, 0.0)
+    return (values * scales).astype(dtype)
+
+
+def _mask(k_ok: jax.Array | None, col_ok: jax.Array | None, shape) -> jax.Array:
+    """The ``[block_k, block_n]`` mask of a tile from its row and column masks (one may be
+    None: all inside)."""
+    if k_ok is None:
+        return jnp.broadcast_to(col_ok[None, :], shape)
+    if col_ok is None:
+        return jnp.broadcast_to(k_ok[:, None], shape)
+    return k_ok[:, None] & col_ok[None, :]

@@ -1,0 +1,210 @@
+"""FP8 weight-only matmul (Pallas, Triton lowering): ``y = x @ dequantize(W)`` for a weight
+``W [K, N]`` kept in float8_e4m3fn with its float32 block scales (``fp8_blocks``), as
+DeepSeek's checkpoints store the decoder's projections.
+
+Each program computes ``block_m`` rows x ``block_n`` columns of the output over one range of
+K steps: it loads each weight tile as fp8 (half a bf16 tile's bytes), gathers the tile's
+scales, dequantizes it in registers into x's dtype and runs the MMA in that dtype
+(``matmul_steps``). The weight crosses HBM once, in fp8, and no dequantized copy exists.
+
+At decode a step's few rows make the matmul a stream of the weight; a projection of ``N``
+columns has only ``N / block_n`` column tiles, too few to keep every multiprocessor reading,
+so K is split into ``k_splits`` ranges whose float32 partial products are summed after the
+kernel (``M x N x k_splits`` floats, small beside the weight at decode). Prefill runs
+128 x 128 tiles over the whole K, column tiles fastest, so the programs in flight share a row
+tile of x (kept in L2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import fp8_blocks, matmul_steps, online_softmax
+
+# H100 SXM and H200 have 132 multiprocessors; the split of K aims at two programs on each.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulConfig:
+    """Launch parameters of the FP8 matmul kernel (blocks: powers of two, each >= 16);
+    ``for_shape`` picks them for a shape, ``dataclasses.replace`` makes variants. The defaults
+    suit many rows (prefill: compute-bound)."""
+
+    block_m: int = 128  # rows of x per program
+    block_n: int = 128  # output columns per program
+    block_k: int = 64  # reduction depth per step (a divisor of the scale blocks' K side)
+    k_splits: int = 1  # ranges of K run by separate programs, summed after the kernel
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < matmul_steps.MIN_TILE or value & (value - 1):
+                raise ValueError(f"Fp8MatmulConfig.{name} must be a power of two >= 16: {value}")
+        if self.k_splits < 1:
+            raise ValueError(f"Fp8MatmulConfig.k_splits must be >= 1, got {self.k_splits}")
+
+    @classmethod
+    def for_shape(
+        cls, rows: int, depth: int, width: int, num_sms: int = DEFAULT_NUM_SMS
+    ) -> Fp8MatmulConfig:
+        """Launch parameters for ``[rows, depth] @ [depth, width]`` (static shapes, so it works
+        under jit). Up to 64 rows (decode) stream the weight: one row tile, 64 columns and
+        128 deep per step, K split until there are about two programs per multiprocessor
+        (each range at least 4 steps). More rows (prefill) run the defaults."""
+        if rows > 64:
+            return cls()
+        block_n, block_k = 64, 128
+        column_tiles = math.ceil(width / block_n)
+        steps = math.ceil(depth / block_k)
+        splits = max(1, min(math.ceil(2 * num_sms / column_tiles), steps // 4))
+        block_m = online_softmax.tile_width(rows)
+        return cls(block_m, block_n, block_k, splits, num_warps=4, num_stages=4)
+
+
+def check(
+    x: jax.Array, weight: jax.Array, scale_inv: jax.Array, blocks: fp8_blocks.Fp8Blocks
+) -> None:
+    """The kernel's (and its reference's) input checks: ValueError in one line naming the
+    argument."""
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[0]:
+        raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} [K, N]")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if not isinstance(blocks, fp8_blocks.Fp8Blocks):
+        raise ValueError(f"blocks must be an Fp8Blocks, got {blocks!r}")
+    blocks.check(weight, scale_inv, "weight")
+
+
+def _fp8_matmul_kernel(
+    x_ref,
+    weight_ref,
+    scale_ref,
+    out_ref,
+    *,
+    rows: int,
+    depth: int,
+    width: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    steps_per_split: int,
+    blocks: fp8_blocks.Fp8Blocks,
+):
+    """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``;
+    ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in x's dtype."""
+    j, i, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0, n0 = i * block_m, j * block_n
+    row_ok = r0 + jnp.arange(block_m, dtype=jnp.int32) < rows
+    begin = split * steps_per_split
+    end = jnp.minimum(begin + steps_per_split, jnp.int32(pl.cdiv(depth, block_k)))
+    acc = matmul_steps.accumulate(
+        x_ref,
+        weight_ref,
+        scale_ref,
+        r0=r0,
+        row_ok=row_ok,
+        n0=n0,
+        lead=(),
+        begin=begin,
+        end=end,
+        depth=depth,
+        width=width,
+        block_k=block_k,
+        block_n=block_n,
+        blocks=blocks,
+    )
+    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
+    partial = () if out_ref.ndim == 2 else (split,)
+    plgpu.store(
+        out_ref.at[(*partial, pl.ds(r0, block_m), pl.ds(n0, block_n))],
+        acc.astype(out_ref.dtype),
+        mask=row_ok[:, None] & (cols < width)[None, :],
+    )
+
+
+def fp8_matmul(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    blocks: fp8_blocks.Fp8Blocks,
+    config: Fp8MatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``x @ dequantize(weight, scale_inv)``, each weight tile dequantized in the kernel.
+
+    Args:
+      x: ``[M, K]`` bfloat16 or float32 (the MMA runs in x's dtype).
+      weight: ``[K, N]`` float8_e4m3fn (HF's ``[N, K]`` transposed).
+      scale_inv: ``blocks.scale_shape(K, N)`` float32 block scales (HF's ``weight_scale_inv``
+        transposed). blocks: their block sizes (static).
+      config: launch parameters (default: ``Fp8MatmulConfig.for_shape(M, K, N)``); blocks
+        larger than an axis shrink to the power of two that fits it (at least 16).
+      interpret: Pallas interpret mode (default: off on GPUs only).
+
+    Returns:
+      ``[M, N]`` in x's dtype, accumulated in float32.
+    """
+    check(x, weight, scale_inv, blocks)
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape)
+    return _fp8_matmul(x, weight, scale_inv, blocks=blocks, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
+def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
+    m, k = x.shape
+    n = weight.shape[1]
+    block_m = matmul_steps.fit_block(config.block_m, m)
+    block_n = matmul_steps.fit_block(config.block_n, n)
+    block_k = matmul_steps.fit_block(config.block_k, k)
+    steps = pl.cdiv(k, block_k)
+    splits = min(config.k_splits, steps)
+    steps_per_split = pl.cdiv(steps, splits)
+    splits = pl.cdiv(steps, steps_per_split)  # no empty split
+    # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
+    # never copied. Tiles past an axis are masked.
+    tile = matmul_steps.MIN_TILE
+    rows = max(m, block_m)
+    x = online_softmax.pad_to(x, (rows, max(k, tile)))
+    weight = online_softmax.pad_to(weight, (max(k, tile), max(n, tile)))
+    kernel = functools.partial(
+        _fp8_matmul_kernel,
+        rows=m,
+        depth=k,
+        width=n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        steps_per_split=steps_per_split,
+        blocks=blocks,
+    )
+    out_shape = (rows, weight.shape[1])
+    if splits > 1:
+        out_shape = jax.ShapeDtypeStruct((splits, *out_shape), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct(out_shape, x.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n, block_n), pl.cdiv(m, block_m), splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name="fp8_matmul",
+    )(x, weight, scale_inv)
+    if splits > 1:
+        out = out.sum(axis=0).astype(x.dtype)
+    return out[:m, :n]

@@ -1,0 +1,38 @@
+"""The pure-jnp reference of ``fp8_matmul``: the same signature; the weight dequantized, then
+one dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import fp8_blocks
+from .pallas_triton import check
+
+
+def fp8_matmul(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    blocks: fp8_blocks.Fp8Blocks,
+    config=None,
+    interpret=None,
+) -> jax.Array:
+    """``x @ dequantize(weight, scale_inv)``.
+
+    Args:
+      x: ``[M, K]`` bfloat16 or float32.
+      weight: ``[K, N]`` float8_e4m3fn; scale_inv: its float32 block scales
+        (``blocks.scale_shape(K, N)``); blocks: their block sizes (static).
+      config, interpret: the Pallas kernel's launch parameters and mode; ignored here.
+
+    Returns:
+      ``[M, N]`` in x's dtype, accumulated in float32 (float32 products for float32 x).
+    """
+    del config, interpret
+    check(x, weight, scale_inv, blocks)
+    dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    out = jnp.dot(x, dense, precision=precision, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)

@@ -1,0 +1,87 @@
+"""The reduction loop of the matmul kernels (``grouped_matmul``, ``fp8_matmul``): one output
+tile ``[block_m, block_n]`` accumulated in float32 over steps of ``block_k``, the full steps
+unmasked and the partial last one masked, each step's weight tile dequantized in registers
+when the weight is FP8 (``fp8_blocks``)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import fp8_blocks, online_softmax
+
+# The smallest tile along any dot dimension (a Triton dot operand is at least 16 wide).
+MIN_TILE = 16
+
+
+def fit_block(block: int, dim: int) -> int:
+    """``block`` shrunk to the largest power of two <= ``dim`` (at least 16), so that a block
+    never outgrows its axis; an axis under 16 is zero-padded to 16 by the caller."""
+    return max(MIN_TILE, min(block, 1 << (dim.bit_length() - 1)))
+
+
+def accumulate(
+    lhs_ref,
+    rhs_ref,
+    scale_ref,
+    *,
+    r0,
+    row_ok: jax.Array,
+    n0,
+    lead: tuple,
+    begin,
+    end,
+    depth: int,
+    width: int,
+    block_k: int,
+    block_n: int,
+    blocks: fp8_blocks.Fp8Blocks | None,
+) -> jax.Array:
+    """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ rhs[lead, s, n0 +
+    [0, block_n)]`` -> ``[block_m, block_n]`` float32 (the rows where ``row_ok [block_m]`` is
+    False read nothing). ``rhs_ref`` (indexed by the scalars ``lead``)
+    holds ``[..., K = depth, N = width]``; with ``blocks`` it is float8_e4m3fn and
+    ``scale_ref [..., cdiv(K, block_in), ...]`` its scales, dequantized per tile into lhs's
+    dtype; else it is in lhs's dtype and ``scale_ref`` is None. ``begin``, ``end``: int32
+    scalars within ``[0, cdiv(depth, block_k)]``."""
+    block_m = row_ok.shape[0]
+    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
+    col_ok = cols < width if width % block_n else None
+
+    def step(s, acc, *, tail: bool):
+        k0 = s * block_k
+        lhs_mask = row_ok[:, None]
+        rhs_mask = None if col_ok is None else col_ok[None, :]
+        k_ok = None
+        if tail:
+            k_ok = k0 + jnp.arange(block_k, dtype=jnp.int32) < depth
+            lhs_mask = lhs_mask & k_ok[None, :]
+            rhs_mask = k_ok[:, None] if rhs_mask is None else rhs_mask & k_ok[:, None]
+        a = plgpu.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0)
+        b_ref = rhs_ref.at[(*lead, pl.ds(k0, block_k), pl.ds(n0, block_n))]
+        # Triton cannot cast a fill value to fp8: an FP8 tile's masked elements are zeroed
+        # when it is dequantized.
+        fill = None if blocks is not None else 0
+        b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=fill)
+        if blocks is not None:
+            b = fp8_blocks.dequantize_tile(
+                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype
+            )
+        return acc + online_softmax.dot(a, b)
+
+    # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and
+    # a Python int beside a weakly typed jnp.where lowered to mixed ones.
+    full_steps = jnp.int32(depth // block_k)
+    acc = jnp.zeros((block_m, block_n), jnp.float32)
+    acc = jax.lax.fori_loop(
+        begin, jnp.minimum(end, full_steps), functools.partial(step, tail=False), acc
+    )
+    if depth % block_k:
+        acc = jax.lax.fori_loop(
+            jnp.maximum(begin, full_steps), end, functools.partial(step, tail=True), acc
+        )
+    return acc

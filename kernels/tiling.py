@@ -1,0 +1,73 @@
+"""Row tiles over ragged segments: the schedule of the prefill and grouped-matmul kernels.
+
+Rows ``[0, num_rows)`` are cut into segments by rising ``offsets [S + 1]`` (the prefill's
+sequences, the grouped matmul's groups): segment ``s`` holds rows ``[offsets[s],
+offsets[s + 1])``, and the rows ``[offsets[S], num_rows)`` after them form a padding segment
+``S``. Each segment is cut into tiles of at most ``rows_per_tile`` rows, so that a tile never
+straddles two segments and a kernel program handles one tile. The plan runs on the host
+(NumPy, exact tile count) or traced on the device (jnp, a static bound on the count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """Tile ``t`` covers rows ``[tile_start[t], tile_end[t])`` of segment
+    ``tile_segment[t]`` (``S``, one past the last segment, for padding rows); tiles past the
+    real ones are empty (``tile_start == tile_end == 0``) and do nothing. ``rows_per_tile``
+    is the tile height the kernel runs with."""
+
+    tile_segment: jax.Array  # [num_tiles] int32
+    tile_start: jax.Array  # [num_tiles] int32
+    tile_end: jax.Array  # [num_tiles] int32
+    rows_per_tile: int = dataclasses.field(metadata={"static": True})
+
+
+def max_tiles(num_rows: int, num_segments: int, rows_per_tile: int) -> int:
+    """A static bound on the tile count of ``num_segments`` segments and the padding after
+    them, ``num_rows`` rows in all: each segment (the padding included) adds at most one
+    partial tile."""
+    return -(-num_rows // rows_per_tile) + num_segments
+
+
+def schedule_tiles(
+    offsets,
+    num_rows: int,
+    rows_per_tile: int,
+    *,
+    heaviest_first: bool = False,
+    num_tiles: int | None = None,
+    xp=np,
+) -> TileSchedule:
+    """Tiles of ``rows_per_tile`` rows per segment of ``offsets [S + 1]`` (int, rising,
+    ``offsets[-1] <= num_rows``), then the padding rows, in segment order; with
+    ``heaviest_first``, ordered by descending row offset within the segment instead (a causal
+    tile's work grows with it), so that the longest tiles start first, padding last.
+    ``xp=np`` on the host (``num_tiles`` defaults to the exact count) or ``xp=jnp`` traced,
+    with ``num_tiles`` a static bound (``max_tiles``)."""
+    offsets = xp.asarray(offsets).astype(xp.int32)
+    starts = xp.concatenate([offsets[:-1], offsets[-1:]])
+    ends = xp.concatenate([offsets[1:], xp.full(1, num_rows, xp.int32)])
+    counts = -(-(ends - starts) // rows_per_tile)
+    first = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
+    if num_tiles is None:
+        num_tiles = int(first[-1])
+    tile = xp.arange(num_tiles, dtype=xp.int32)
+    segment = xp.clip(xp.searchsorted(first, tile, side="right") - 1, 0, counts.shape[0] - 1)
+    real = tile < first[-1]
+    offset = (tile - first[segment]) * rows_per_tile
+    start = xp.where(real, starts[segment] + offset, 0)
+    end = xp.where(real, xp.minimum(start + rows_per_tile, ends[segment]), 0)
+    if heaviest_first:
+        order = xp.argsort(-xp.where(real, offset, -1), stable=True)
+        segment, start, end = segment[order], start[order], end[order]
+    return TileSchedule(
+        segment.astype(xp.int32), start.astype(xp.int32), end.astype(xp.int32), rows_per_tile
+    )

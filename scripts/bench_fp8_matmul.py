@@ -1,0 +1,157 @@
+"""FP8 weights kept FP8 (weight-only: tiles dequantized in the kernels, bf16 MMA) vs bf16
+weights, on the GPU, in one run: DeepSeek-V3's MoE layer (router, routed experts through the
+grouped matmul, shared experts) at decode (64 tokens) and at prefill (8192 tokens), and its
+dense projections (attention's q_a, q_b, kv_a, o_proj; a dense layer's MLP) at the same token
+counts. Random weights with 128 x 128 block scales; bf16 activations.
+
+    PYTHONPATH=. python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
+
+Each row: the bf16 time, the FP8 time, their ratio (issue 23 asks <= 0.6x at decode, <= 1x
+at prefill) and the FP8 path's relative error against its reference (the weights
+dequantized, then one matmul). ``--smoke``: V3's layer shrunk (hidden 32, 16 experts of width
+24) and small projections, few tokens, on the CPU, results under --out only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from benchlib import jsonable, parse_args, parser, row, save, time_us
+from flax import nnx
+
+from mla_jax.model.config import MoEConfig, moe_preset
+from mla_jax.model.layers import Linear
+from mla_jax.model.moe import MoE
+
+V3 = moe_preset("deepseek-v3")
+BLOCKS = (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures: the MoE layer, the projections ``name -> (in, out)`` and the
+    token counts (decode, prefill)."""
+
+    moe: MoEConfig
+    projections: dict
+    tokens: tuple[int, int]
+    blocks: tuple[int, int]
+
+
+FULL = Sizes(
+    moe=V3,
+    projections={
+        "q_a_proj": (7168, 1536),
+        "q_b_proj": (1536, 128 * 192),
+        "kv_a_proj_with_mqa": (7168, 576),
+        "o_proj": (128 * 128, 7168),
+        "mlp.gate_proj": (7168, 18432),
+        "mlp.down_proj": (18432, 7168),
+    },
+    tokens=(64, 8192),
+    blocks=BLOCKS,
+)
+SMOKE = Sizes(
+    moe=dataclasses.replace(V3, hidden_size=32, n_routed_experts=16, moe_intermediate_size=24),
+    projections={"q_a_proj": (64, 48), "o_proj": (40, 64)},
+    tokens=(4, 40),
+    blocks=(16, 16),
+)
+
+
+def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
+    """Random block scales (about 1 / 448 of a weight's size), so that FP8 values span e4m3."""
+    key = jax.random.key(seed)
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if str(path[-1]).endswith("_scale_inv"):
+            key, sub = jax.random.split(key)
+            var[...] = jax.random.uniform(sub, var.shape, jnp.float32, 0.5, 2.0) * 1e-4
+    return module
+
+
+def _compare(bf16_fn, fp8_fn, fp8_reference, args_sets) -> dict:
+    """Times of the bf16 and FP8 functions over the same inputs, and the FP8 path's error
+    against its reference."""
+    bf16, fp8 = time_us(bf16_fn, args_sets), time_us(fp8_fn, args_sets)
+    got = np.asarray(fp8_fn(*args_sets[0]), np.float64)
+    want = np.asarray(fp8_reference(*args_sets[0]), np.float64)
+    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return {"bf16": bf16, "fp8": fp8, "ratio": fp8.us / bf16.us, "rel_err": error}
+
+
+def moe_rows(sizes: Sizes) -> list[dict]:
+    cfg = sizes.moe
+    bf16 = MoE(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    fp8 = _fp8_state(
+        MoE(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=sizes.blocks), 1
+    )
+    for module in (bf16, fp8):
+        bias = 0.01 * jax.random.normal(jax.random.key(2), (cfg.n_routed_experts,))
+        module.gate.e_score_correction_bias[...] = bias
+    rows = []
+    for tokens in sizes.tokens:
+        keys = jax.random.split(jax.random.key(tokens), 3)
+        args = [(jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16),) for k in keys]
+
+        def layer(module, impl):
+            graphdef, state = nnx.split(module)
+            return jax.jit(lambda x: nnx.merge(graphdef, state)(x, impl=impl))
+
+        r = _compare(layer(bf16, "pallas"), layer(fp8, "pallas"), layer(fp8, "reference"), args)
+        print("moe", tokens, jsonable(r), flush=True)
+        rows.append(_row("MoE layer (V3)", tokens, r))
+    return rows
+
+
+def projection_rows(sizes: Sizes) -> list[dict]:
+    rows = []
+    for name, (n_in, n_out) in sizes.projections.items():
+        bf16 = Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0))
+        fp8 = _fp8_state(Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0), sizes.blocks), 1)
+        for tokens in sizes.tokens:
+            keys = jax.random.split(jax.random.key(tokens), 3)
+            args = [(jax.random.normal(k, (tokens, n_in), jnp.bfloat16),) for k in keys]
+
+            def call(module, impl):
+                graphdef, state = nnx.split(module)
+                return jax.jit(lambda x: nnx.merge(graphdef, state)(x, impl=impl))
+
+            r = _compare(call(bf16, "pallas"), call(fp8, "pallas"), call(fp8, "reference"), args)
+            print(name, tokens, jsonable(r), flush=True)
+            rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
+    return rows
+
+
+def _row(name: str, tokens: int, r: dict) -> dict:
+    cells = [name, tokens, round(r["bf16"].us, 1), round(r["fp8"].us, 1)]
+    cells += [f"{r['ratio']:.2f}x", f"{r['rel_err']:.1e}"]
+    return row(cells, bf16=r["bf16"], fp8=r["fp8"])
+
+
+def main():
+    args = parse_args(parser(__doc__))
+    sizes = SMOKE if args.smoke else FULL
+    rows = moe_rows(sizes) + projection_rows(sizes)
+    save(
+        "fp8_matmul",
+        "FP8 weights (weight-only, dequantized per tile) vs bf16 weights, DeepSeek-V3 shapes",
+        ["what", "tokens", "bf16 us", "fp8 us", "fp8 / bf16", "fp8 rel err vs ref"],
+        rows,
+        [
+            "bf16 activations. bf16: the MoE layer with the Pallas grouped matmul, the "
+            "projections as XLA dots; fp8: the same layer with FP8 experts and FP8 shared "
+            "experts (grouped_matmul with rhs_scale_inv, fp8_matmul), the projections through "
+            "fp8_matmul. Times: medians of the summed CUPTI kernel durations of warm calls "
+            "over 3 rotating inputs.",
+            f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
+            "reference (the weights dequantized, then the same computation).",
+        ],
+        out_dir=args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""scripts/bench_serve.py's prefix-caching comparison, run whole and small (``--model tiny
+--impl reference``, CPU) in a fresh process (it turns on JAX's persistent compilation cache,
+a process-wide setting); a GPU run makes the table in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_serve  # noqa: E402
+
+
+def test_prefix_comparison_on_the_tiny_model(tmp_path):
+    env = dict(os.environ, MLA_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    argv = ["--model", "tiny", "--prefix", "--impl", "reference"]
+    argv += ["--no-publish", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_serve.py"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert not os.path.exists(os.path.join(ROOT, "benchmarks", "serve_prefix_tiny.json"))
+    result = json.loads((tmp_path / "serve_prefix_tiny.json").read_text())
+    assert result["columns"] == bench_serve.PREFIX_COLUMNS
+    w = bench_serve.PrefixWorkloads(**result["workloads"])
+    assert w == bench_serve.TINY_PREFIX_WORKLOADS
+    rows = {(row["cells"][0].split(":")[0], row["cells"][1]): row for row in result["rows"]}
+    assert list(rows) == [(k, c) for k in ("shared prefix", "multi-turn") for c in ("off", "on")]
+    shared_prompt = w.shared_requests * (w.shared_prefix + w.own_tokens)
+    for kind, requests in (("shared prefix", w.shared_requests), ("multi-turn", None)):
+        off, on = rows[kind, "off"], rows[kind, "on"]
+        requests = requests or w.conversations * w.turns
+        assert len(off["ttft_ms"]) == len(on["ttft_ms"]) == requests
+        prompt = off["cells"][4]
+        assert on["cells"][4] == prompt and off["cells"][5] == prompt  # all computed when off
+        assert off["cached_prompt_tokens"] == 0 and off["cells"][6] == "0.0%"
+        # On: the cached tokens are whole blocks of 16 (page of the tiny settings).
+        cached = on["cached_prompt_tokens"]
+        assert cached > 0 and cached % 16 == 0 and on["cells"][5] == prompt - cached
+        assert on["cells"][6] == f"{cached / prompt:.1%}"
+    assert rows["shared prefix", "off"]["cells"][4] == shared_prompt
+    # A later request of the shared workload takes the whole prefix (8 blocks of 16).
+    assert rows["shared prefix", "on"]["cached_prompt_tokens"] % w.shared_prefix == 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--model", "tiny"], "--model tiny runs only --prefix"),
+        (["--prefix", "shared,nope"], "want a comma-separated subset of shared,multi-turn"),
+        (["--prefix", "shared,shared"], "want a comma-separated subset of shared,multi-turn"),
+        (["--prefix", "--no-publish"], "--no-publish needs --out"),
+        (["--impl", "reference"], "--impl reference runs only --prefix"),
+        (["--decode-window", "0"], "--decode-window must be >= 1, got 0"),
+    ],
+)
+def test_bad_flags_are_named(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serve.main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]

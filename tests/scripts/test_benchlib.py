@@ -1,0 +1,46 @@
+"""scripts/benchlib.py: the page it renders and the command line every benchmark shares."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import benchlib  # noqa: E402
+
+
+def test_page_is_rendered_from_the_results(tmp_path, monkeypatch):
+    """BENCHMARKS.md is never edited by hand: it is what the results in benchmarks/ render."""
+    monkeypatch.setattr(benchlib, "PAGE", str(tmp_path / "BENCHMARKS.md"))
+    benchlib.render()
+    rendered = (tmp_path / "BENCHMARKS.md").read_text().splitlines()
+    assert rendered == Path(ROOT, "BENCHMARKS.md").read_text().splitlines()
+
+
+@pytest.mark.parametrize("sweeps", [(), ("all", "fp8")])
+def test_smoke_needs_an_output_folder(capsys, sweeps):
+    with pytest.raises(SystemExit) as exit_info:
+        benchlib.parse_args(benchlib.parser("a benchmark", sweeps=sweeps), ["--smoke"])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("error: --smoke needs --out DIR (a smoke run never writes benchmarks/)")
+    )
+
+
+def test_sweep_names_are_checked(capsys):
+    ap = benchlib.parser("a benchmark", sweeps=("all", "fp8"))
+    assert benchlib.parse_args(ap, ["--sweep"]).sweep == "all"
+    assert benchlib.parse_args(ap, ["--sweep", "fp8"]).sweep == "fp8"
+    with pytest.raises(SystemExit):
+        benchlib.parse_args(ap, ["--sweep", "fp16"])
+    assert "argument --sweep: invalid choice: 'fp16'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchlib.parse_args(benchlib.parser("no sweeps"), ["--sweep"])
+    assert "unrecognized arguments: --sweep" in capsys.readouterr().err
