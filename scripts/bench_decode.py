@@ -1,6 +1,7 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [fp8]] [--smoke]
+    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu]]
+        [--kernel triton|mgpu] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
 time), GB/s over the bytes the math needs (576 x 2 B per context token, plus q and out),
@@ -9,7 +10,12 @@ reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels
 a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
 ``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
 the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
-``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only.
+``--kernel mgpu`` times the Mosaic GPU kernel (``kernels/decode/pallas_mosaic_gpu.py``)
+beside the Triton one on the same inputs in the same run, N = 16 and 128 over the cases
+below (``decode_mgpu.json``); ``--sweep mgpu`` its compile options on the cases of its
+targets (``decode_mgpu_sweep.json``, under --out only).
+``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only
+(the Mosaic GPU kernel hands the smoke shapes, page 16, to the Triton kernel).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from benchlib import (
 )
 
 from mla_jax.kernels import KernelPlan, decode, fp8
+from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 
 SCALE = 192**-0.5
 
@@ -51,6 +58,8 @@ class Sizes:
     heads: tuple[tuple[int, bool], ...]
     sweep_cases: dict  # heads -> labels of ``cases`` the sweep times
     fp8_sweep_cases: tuple  # (heads, labels) the FP8 sweep times
+    mosaic_heads: tuple[int, ...]  # heads of the Mosaic GPU table (over ``cases``)
+    mosaic_sweep_cases: tuple  # (heads, labels) the Mosaic GPU sweep times
 
     @property
     def fp8_token_bytes(self) -> int:
@@ -75,6 +84,10 @@ FULL = Sizes(
     # The FP8 cache against bf16 on the cases of its targets (H200: at N = 16, 128 x 4096 and
     # 64 x 16384 in <= 0.65x bf16's time; at N = 128 no slower).
     fp8_sweep_cases=((16, ("128 x 4096", "64 x 16384")), (128, ("128 x 4096",))),
+    mosaic_heads=(16, 128),
+    # The Mosaic GPU kernel's targets (issue 19): N = 128 at 128 x 4096 and 64 x 16384,
+    # N = 16 at 64 x 16384.
+    mosaic_sweep_cases=((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",))),
 )
 SMOKE = Sizes(
     lkv=64,
@@ -85,6 +98,8 @@ SMOKE = Sizes(
     heads=((16, True),),
     sweep_cases={16: ("3 x 40",), 128: ("3 x 40",)},
     fp8_sweep_cases=((16, ("3 x 40",)),),
+    mosaic_heads=(16,),
+    mosaic_sweep_cases=((16, ("3 x 40",)),),
 )
 
 
@@ -168,6 +183,145 @@ def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, qua
             result["xla_timing"] = time_us(ref, [arg_sets[0][:5]], reps=10)
             result["xla_us"] = result["xla_timing"].us
     return result
+
+
+def _errors(got, want, seq_lens) -> dict:
+    """Relative L2 error of ``out`` and the largest absolute ``lse`` error (non-empty rows)
+    of a kernel's ``got`` against the reference's ``want``."""
+    (out, lse), (want_out, want_lse) = got, want
+    err = jnp.linalg.norm((out - want_out).astype(jnp.float32)) / jnp.linalg.norm(
+        want_out.astype(jnp.float32)
+    )
+    lse_err = jnp.max(jnp.abs(jnp.where(seq_lens[:, None] > 0, lse - want_lse, 0)))
+    return {"rel_err": float(err), "lse_err": float(lse_err)}
+
+
+def _mosaic_case(rng, label, seq_lens, n, sizes, variant=None, with_triton=True) -> dict:
+    """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults) and, on
+    the same inputs, the Triton kernel with its default config; errors of both against the
+    reference."""
+    seq_lens = np.asarray(seq_lens)
+    lkv, rope = sizes.lkv, sizes.rope
+    tokens = int(seq_lens.sum())
+    sets = int(min(8, max(1, -(-256 * 2**20 // (tokens * (lkv + rope) * 2)))))
+    arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
+    num_sms = KernelPlan.for_device(n).num_sms
+    programs = mosaic.num_programs(n, num_sms)
+    schedule = jax.device_put(
+        decode.schedule_splits(seq_lens, num_programs=programs, block_k=sizes.page)
+    )
+    config = mosaic.MosaicDecodeConfig(**(variant or {}))
+    kernel = jax.jit(
+        lambda *a: mosaic.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
+    )
+    want = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))(*arg_sets[0])
+    timing = time_us(kernel, [(*a, schedule) for a in arg_sets])
+    b = len(seq_lens)
+    nbytes = tokens * (lkv + rope) * 2 + b * n * (lkv + rope) * 2 + b * n * lkv * 2
+    result = {
+        "case": label,
+        "N": n,
+        "us": timing.us,
+        "GB/s": nbytes / timing.us / 1e3,
+        "TFLOP/s": 2 * n * tokens * (lkv + rope + lkv) / timing.us / 1e6,
+        "programs": programs,
+        "items": int(schedule.req_items[-1]),
+        "timing": timing,
+        **_errors(kernel(*arg_sets[0], schedule), want, seq_lens),
+    }
+    if with_triton:
+        t_config = decode.DecodeConfig.for_shape(n, b)
+        t_programs = decode.num_programs(t_config, n, num_sms)
+        t_schedule = jax.device_put(
+            decode.schedule_splits(seq_lens, num_programs=t_programs, block_k=t_config.block_k)
+        )
+        triton = jax.jit(
+            lambda *a: decode.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=t_config)
+        )
+        result["triton_timing"] = time_us(triton, [(*a, t_schedule) for a in arg_sets])
+        result["triton_us"] = result["triton_timing"].us
+        result["triton_rel_err"] = _errors(triton(*arg_sets[0], t_schedule), want, seq_lens)[
+            "rel_err"
+        ]
+    return result
+
+
+def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
+    """``decode_mgpu.json``: the Mosaic GPU kernel beside Triton, per ``sizes.mosaic_heads``."""
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
+    rows = []
+    for n in sizes.mosaic_heads:
+        for label, lens in sizes.cases:
+            r = _mosaic_case(rng, label, lens, n, sizes)
+            print(json.dumps(jsonable(r)), flush=True)
+            cells = [
+                r["case"],
+                n,
+                round(r["triton_us"], 1),
+                round(r["us"], 1),
+                f"{r['triton_us'] / r['us']:.2f}x",
+                round(r["TFLOP/s"], 1),
+                round(r["GB/s"]),
+                f"{100 * r['GB/s'] / copy.gbs:.0f}%",
+                f"{r['rel_err']:.1e}",
+                f"{r['triton_rel_err']:.1e}",
+            ]
+            rows.append(row(cells, mosaic=r["timing"], triton=r["triton_timing"]))
+    width = sizes.lkv + sizes.rope
+    save(
+        "decode_mgpu",
+        f"Paged MLA decode: Mosaic GPU kernel beside the Triton kernel, page {sizes.page}, bf16",
+        [
+            "batch x context",
+            "N",
+            "Triton us",
+            "Mosaic us",
+            "speedup",
+            "Mosaic TFLOP/s",
+            "Mosaic GB/s",
+            "of copy BW",
+            "Mosaic rel err",
+            "Triton rel err",
+        ],
+        rows,
+        [
+            f"Copy bandwidth measured in the same run: {copy.gbs:.0f} GB/s (read + write; "
+            f"{copy.method}).",
+            "Both kernels on the same inputs in the same run, each with its own default "
+            "launch (Mosaic: 64 heads a program, one program a multiprocessor; Triton: "
+            "DecodeConfig.for_shape) and its own split-KV plan; us includes the combine "
+            "kernel.",
+            f"TFLOP/s counts 2 x N x context x ({width} + {sizes.lkv}) (N = 16 is padded to 64 "
+            "rows in the Mosaic kernel: 4x the counted work); GB/s counts "
+            f"{width} x 2 B per context token plus q and out.",
+            "rel err: relative L2 error of out against the XLA reference on the same inputs.",
+        ],
+        extra={"copy_bandwidth": copy.record()},
+        out_dir=out_dir,
+    )
+
+
+# Compile options of the Mosaic GPU kernel, each on top of the defaults.
+MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
+
+
+def _mosaic_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of MOSAIC_SWEEP on ``sizes.mosaic_sweep_cases`` (Triton timed beside
+    the defaults)."""
+    lens_of = dict(sizes.cases)
+    return [
+        (
+            {"case": label, "N": n},
+            v,
+            lambda label=label, n=n, v=v: _mosaic_case(
+                rng, label, lens_of[label], n, sizes, v, with_triton=not v
+            ),
+        )
+        for n, labels in sizes.mosaic_sweep_cases
+        for label in labels
+        for v in MOSAIC_SWEEP
+    ]
 
 
 def _ragged(rng, sizes: Sizes):
@@ -254,15 +408,25 @@ def _trials(rng, sizes: Sizes) -> list:
 
 
 def main():
-    args = parse_args(parser(__doc__, sweeps=("all", "fp8")))
+    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu"))
+    ap.add_argument(
+        "--kernel",
+        choices=("triton", "mgpu"),
+        default="triton",
+        help="the tables of the Triton kernel (decode, decode_fp8) or the Mosaic GPU kernel "
+        "beside it (decode_mgpu)",
+    )
+    args = parse_args(ap)
     sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
+    table = _mosaic_table if args.kernel == "mgpu" else tables
     run(
         args,
-        lambda: tables(rng, sizes, args.out),
+        lambda: table(rng, sizes, args.out),
         {
             "all": lambda: sweep("decode", _trials(rng, sizes), args.out),
             "fp8": lambda: sweep("decode_fp8", _fp8_trials(rng, sizes), args.out),
+            "mgpu": lambda: sweep("decode_mgpu", _mosaic_trials(rng, sizes), args.out),
         },
     )
 

@@ -617,21 +617,42 @@ def _mla_decode(
         q_pe,
         *cache_parts,
     )
-    out, lse = pl.pallas_call(
+    out, lse = combine_splits(
+        schedule.req_items, o_part, lse_part, out, lse, config=config, interpret=interpret
+    )
+    return out[:, :n, :lkv], lse[:, :n]
+
+
+def combine_splits(
+    req_items: jax.Array,
+    o_part: jax.Array,
+    lse_part: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    *,
+    config: DecodeConfig,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The second pass of a split-KV decode: LSE-merges the float32 partial results
+    ``o_part [I, H, D]``, ``lse_part [I, H]`` of each request split over several items into
+    ``out [B, H, D]`` and ``lse [B, H]`` (updated in place: rows of requests run whole are
+    kept, empty requests get 0 and -inf). ``H`` and ``D`` must be multiples of the config's
+    combine blocks."""
+    b, heads, width = out.shape
+    return pl.pallas_call(
         functools.partial(
             _combine_kernel,
             block_h=config.combine_block_h,
             block_d=config.combine_block_d,
             block_items=config.combine_block_items,
         ),
-        grid=(heads // config.combine_block_h, b, lat_tile // config.combine_block_d),
+        grid=(heads // config.combine_block_h, b, width // config.combine_block_d),
         out_shape=(
-            jax.ShapeDtypeStruct((b, heads, lat_tile), q_lat.dtype),
+            jax.ShapeDtypeStruct(out.shape, out.dtype),
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
         ),
         input_output_aliases={3: 0, 4: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="mla_decode_combine",
-    )(schedule.req_items, o_part, lse_part, out, lse)
-    return out[:, :n, :lkv], lse[:, :n]
+    )(req_items, o_part, lse_part, out, lse)

@@ -1,0 +1,179 @@
+"""The Mosaic GPU decode kernel (``kernels/decode/pallas_mosaic_gpu.py``) against float64
+NumPy attention, with the poisoned caches of ``test_decode_kernel``: cache rows a request
+does not own hold NaN (rows past its length in its last page too) and table entries past its
+need hold -1 or an id outside the cache.
+
+On the CPU the kernel runs in Mosaic GPU's interpret mode (jax >= 0.11), which simulates
+its warpgroups, TMA copies, mbarriers and wgmmas, and fails a kernel that leaves an mbarrier
+phase unobserved; it starts every output as NaN, so an output row the kernel does not write
+fails the comparison. One primitive differs there: interpret mode cannot load a value into
+a wgmma accumulator, so the rescaled accumulation ``acc * alpha + P @ V`` adds the product
+after the wgmma instead of accumulating onto ``acc * alpha`` (``accumulate`` in the kernel);
+the compiled path is proven by the tests marked ``gpu``. On a GPU every test runs compiled.
+
+Tolerances: out uses the bf16 bound of ``test_decode_kernel`` (3e-3 relative; the same
+rounding: bf16 probabilities and output, float32 scores and sums); lse gets its own, tighter
+bound, 1e-5 absolute. Measured (2026-11-24): interpret mode, 6 seeds x 2 of these cases,
+out <= 1.14e-3 and lse <= 2.9e-6; compiled on an H200 (exp2, log and reciprocals
+approximate), against the XLA reference on bench_decode's cases, out <= 1.7e-3 and lse
+<= 1.9e-6.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_decode_kernel as bf16_tests
+
+from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
+from mla_jax.kernels.decode import pallas_triton
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+    pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11", allow_module_level=True)
+
+BF16 = jnp.bfloat16
+
+
+def _run(args, *, scale, schedule=None, **kwargs):
+    q_lat, q_pe, cache, table, lens = args
+    return mosaic.mla_decode(
+        *(jnp.asarray(a, BF16) for a in (q_lat, q_pe, cache)),
+        jnp.asarray(table),
+        jnp.asarray(lens),
+        scale=scale,
+        schedule=schedule,
+        **kwargs,
+    )
+
+
+LSE_TOL = 1e-5
+
+
+def _check(args, scale, **kwargs):
+    got = _run(args, scale=scale, **kwargs)
+    want = bf16_tests._expected(*args, scale)
+    bf16_tests._check(got, want, args[-1], BF16)
+    live = args[-1] > 0
+    np.testing.assert_allclose(np.asarray(got[1])[live], want[1][live], rtol=0, atol=LSE_TOL)
+
+
+@pytest.mark.parametrize("n", [8, 16, 64, 128])
+def test_heads_lengths_and_splits(rng, n):
+    """Empty, one-token, page-boundary and ragged requests, each split over several
+    programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64, 128)."""
+    lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
+    args = bf16_tests._case(rng, lens, n=n, lkv=128, r=64, block_size=64, dtype=BF16)
+    programs = 4
+    schedule = pallas_triton.schedule_splits(
+        args[-1],
+        num_programs=programs,
+        block_k=mosaic.PAGE,
+        num_items=pallas_triton.max_items(len(lens), programs),
+    )
+    _check(args, 0.13, schedule=schedule)
+
+
+def test_whole_requests_without_schedule(rng):
+    """No schedule: each request whole in a program of its own (an odd page count, an even
+    one, an empty request)."""
+    args = bf16_tests._case(rng, [130, 0, 256, 7], n=16, lkv=128, r=64, block_size=64, dtype=BF16)
+    _check(args, 0.2)
+
+
+def test_items_starting_inside_a_page(rng):
+    """A plan in 32-token steps starts items mid-page: the keys before an item's start in
+    its first page are masked (and merged from the item that owns them)."""
+    lens = [300, 97]
+    args = bf16_tests._case(rng, lens, n=16, lkv=128, r=64, block_size=64, dtype=BF16)
+    schedule = pallas_triton.schedule_splits(args[-1], num_programs=7, block_k=32)
+    assert (np.asarray(schedule.item_start) % mosaic.PAGE != 0).any()
+    _check(args, 0.2, schedule=schedule)
+
+
+def test_schedule_of_longer_lengths_truncated(rng):
+    """A decode window's schedule, built for lengths up to 64 keys longer and cut to the
+    current ones (``truncate_schedule``): keys past a request's length are not read, and a
+    request left with one non-empty item of several is still combined (wholeness is by item
+    count, as the combine kernel decides it)."""
+    lens = np.array([1, 63, 64, 65, 130, 0, 9])
+    window = np.array([64, 8, 1, 64, 63, 0, 64])
+    args = bf16_tests._case(rng, lens, n=16, lkv=128, r=64, block_size=64, dtype=BF16)
+    schedule = pallas_triton.schedule_splits(
+        lens + window, num_programs=4, block_k=mosaic.PAGE, num_items=11
+    )
+    cut = pallas_triton.truncate_schedule(
+        jax.tree.map(jnp.asarray, schedule), jnp.asarray(lens, jnp.int32)
+    )
+    _check(args, 0.09, schedule=cut)
+    items = np.asarray(cut.item_end) - np.asarray(cut.item_start)
+    req_items = np.asarray(cut.req_items)
+    assert any(
+        (items[req_items[b] : req_items[b + 1]] == 0).any()
+        and (items[req_items[b] : req_items[b + 1]] > 0).any()
+        for b in range(len(lens))
+    )
+
+
+def test_deepseek_dims(rng):
+    """Lkv 512 + R 64 (four 64-column tiles for each consumer's half of the output)."""
+    args = bf16_tests._case(rng, [70, 1, 129], n=16, lkv=512, r=64, block_size=64, dtype=BF16)
+    schedule = pallas_triton.schedule_splits(
+        args[-1], num_programs=2, block_k=mosaic.PAGE, num_items=5
+    )
+    _check(args, 0.07, schedule=schedule)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret mode only")
+def test_outputs_start_poisoned():
+    """Guards the claim above: in Mosaic GPU interpret mode an output the kernel never
+    writes is NaN."""
+    out = plgpu.kernel(
+        lambda o_ref: None,
+        out_type=jax.ShapeDtypeStruct((64,), BF16),
+        interpret=plgpu.InterpretGPUParams(),
+    )()
+    assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+def test_other_inputs_run_the_triton_kernel(rng, caplog):
+    """Page 16, float32 and R 16 fall back to the Triton kernel, each reason logged once."""
+    args = bf16_tests._case(rng, [40, 3], n=8, lkv=64, r=16, block_size=16)
+    with caplog.at_level(logging.WARNING, logger=mosaic.__name__):
+        for _ in range(2):
+            got = mosaic.mla_decode(*map(jnp.asarray, args), scale=0.3)
+    bf16_tests._check(got, bf16_tests._expected(*args, 0.3), args[-1], jnp.float32)
+    assert sum("page size 16" in r.message for r in caplog.records) == 1
+
+
+def test_bad_inputs_are_refused_like_triton(rng):
+    q_lat, q_pe, cache, table, lens = bf16_tests._case(
+        rng, [20, 40], n=8, lkv=128, r=64, block_size=64, dtype=BF16
+    )
+    a = [jnp.asarray(x, BF16) for x in (q_lat, q_pe, cache)] + [jnp.asarray(table)]
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        mosaic.mla_decode(*a, jnp.asarray(lens[:1]), scale=1.0)
+    with pytest.raises(ValueError, match="ids outside"):
+        mosaic.mla_decode(*a[:3], a[3] + 1000, jnp.asarray(lens), scale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8, 16, 64, 128])
+def test_deepseek_scale_compiled(rng, n):
+    """A ragged batch of 64 requests up to 4096 tokens at DeepSeek's dims, page 64, on the
+    kernel's own program count: too slow to interpret, so GPU only."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:4] = [4096, 1, 64, 0]
+    args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
+    programs = mosaic.num_programs(n)
+    schedule = pallas_triton.schedule_splits(
+        args[-1],
+        num_programs=programs,
+        block_k=mosaic.PAGE,
+        num_items=pallas_triton.max_items(len(lens), programs),
+    )
+    _check(args, 0.07, schedule=schedule)
