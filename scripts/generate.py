@@ -135,10 +135,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--fp8-weights",
         choices=FP8_WEIGHTS,
-        default="auto",
+        default="dequantize",
         help="an FP8 checkpoint's weights: keep (FP8 with block scales on the device, "
-        "dequantized tile by tile in the matmuls), dequantize (to --dtype at load), auto "
-        "(keep on a GPU, dequantize elsewhere); --dtype stays the activations' dtype",
+        "dequantized tile by tile in the matmuls), dequantize (to --dtype at load; the default "
+        "until the FP8 kernels have run compiled), auto (keep on a GPU, dequantize elsewhere); "
+        "--dtype stays the activations' dtype",
     )
     ap.add_argument(
         "--tp",
@@ -162,8 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--decode-window",
         type=_positive_int,
-        help="decode steps run in one device program while every request decodes (default: "
-        "8 on GPUs, 1 elsewhere; 1: every step alone)",
+        help="decode steps run in one device program while every request decodes (default 1: "
+        "every step alone; windows are opt-in until timed on a GPU)",
     )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument(

@@ -218,7 +218,7 @@ def load_model(
     dtype=jnp.float32,
     verbose: bool = False,
     placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
-    fp8_weights: str = "auto",
+    fp8_weights: str = "dequantize",
 ) -> tuple[ModelConfig, DeepseekModel]:
     """Builds the model ``config.json`` describes and fills it from the checkpoint's tensors,
     cast to ``dtype``. Raises WeightsError naming missing, unexpected or mis-shaped tensors.
@@ -228,7 +228,7 @@ def load_model(
     ``fp8_weights`` (an FP8 checkpoint's; ignored for others): "keep" holds the decoder's
     projections and routed experts as float8_e4m3fn with their float32 block scales
     (``DeepseekModel``'s ``fp8_blocks``; ``kv_b_proj`` is dequantized), "dequantize" casts
-    every weight to ``dtype``, "auto" keeps them on a GPU (``keeps_fp8``)."""
+    every weight to ``dtype`` (the default), "auto" keeps them on a GPU (``keeps_fp8``)."""
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
     blocks = cfg.quantization.weight_block_size if keeps_fp8(cfg, fp8_weights) else None

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from mla_jax.cache.block_manager import BlockManager
@@ -72,8 +71,8 @@ class EngineConfig:
     # prompt (cache/block_manager.py); each DP rank caches its own blocks.
     enable_prefix_caching: bool = True
     # Decode steps a window runs in one device program while every running request decodes
-    # (the host's work then comes once a window); 1 runs every step alone. None: 8 on GPUs,
-    # where the host's work per step outlasts a small batch's device step, else 1.
+    # (the host's work then comes once a window); 1 (or None, the default) runs every step
+    # alone.
     decode_window: int | None = None
 
     def __post_init__(self):
@@ -118,10 +117,10 @@ class EngineConfig:
             )
 
     def window_steps(self) -> int:
-        """Decode steps of a window: ``decode_window``, by default 8 on GPUs, 1 elsewhere."""
-        if self.decode_window is not None:
-            return self.decode_window
-        return 8 if jax.default_backend() == "gpu" else 1
+        """Decode steps of a window: ``decode_window``, by default 1 (every step alone).
+        Windows are opt-in until a compiled GPU run has checked and timed them; the CPU
+        suite checks them with the kernels interpreted."""
+        return 1 if self.decode_window is None else self.decode_window
 
     @property
     def prefill_slots(self) -> int:
