@@ -50,13 +50,20 @@ def test_outputs_do_not_depend_on_batching(tiny, rng):
         assert [r.output_ids for r in reqs] == [r.output_ids for r in base], kw
 
 
+def _programs_logged(logs: list[str]) -> int:
+    """Programs the engine logged as compiled or loaded from the persistent compilation
+    cache (another test, or another pytest worker, may have compiled the same one)."""
+    starts = ("compiled bucket", "loaded from the compilation cache bucket")
+    return sum(m.startswith(starts) for m in logs)
+
+
 def test_one_compilation_per_bucket(tiny, rng):
     logs = []
     prompts = [rng.integers(0, 512, n).tolist() for n in (5, 30, 12)]
     engine, _ = _run(tiny, prompts, max_num_batched_tokens=16, log=logs.append)
     buckets = engine.stats.buckets
     assert len(set(buckets)) == len(buckets) == len(engine.runner.programs)
-    assert sum("compiled bucket" in m for m in logs) == len(buckets)
+    assert _programs_logged(logs) == len(buckets)
     assert any("tok/s" in m for m in logs)
 
 
@@ -150,7 +157,7 @@ def test_precompile_covers_later_steps(tiny):
     assert engine.stats.buckets == shapes and engine.schedulers[0].block_manager.num_free == 8
     engine.generate([Request(list(range(1, 8)), max_new_tokens=3)])
     assert engine.stats.buckets == shapes  # nothing new compiled
-    assert sum("compiled bucket" in m for m in logs) == 2
+    assert _programs_logged(logs) == 2
 
 
 def test_generate_script_with_text_prompt(tmp_path):
