@@ -8,6 +8,7 @@ import os
 import re
 
 import numpy as np
+import pytest
 
 from mla_jax.checkpoint.fp8_weights import (
     FP8BlockQuantization,
@@ -101,8 +102,9 @@ def quantize_checkpoint(model_dir, quantization: FP8BlockQuantization) -> dict[s
     every linear layer's weight (``*_proj.weight``, ``kv_a_proj_with_mqa.weight``; not the
     embedding, ``lm_head`` or the router) in float8_e4m3fn beside its float32
     ``*.weight_scale_inv``, and ``quantization_config`` in config.json. Returns each
-    quantized weight dequantized (float32 ``[out, in]``), what the loader must give back."""
-    import torch
+    quantized weight dequantized (float32 ``[out, in]``), what the loader must give back.
+    Writes through torch (safetensors' NumPy API has no float8): skips the test without it."""
+    torch = pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(model_dir, "model.safetensors")
