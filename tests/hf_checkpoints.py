@@ -127,3 +127,15 @@ def write_checkpoint(name: str, path, seed: int):
             json.dump(d, f)
         model = cls.from_pretrained(path).float().eval()
     return model
+
+
+def greedy_tokens(hf, prompt, new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (``new_tokens`` of them, EOS ignored)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([list(prompt)]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()

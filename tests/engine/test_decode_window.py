@@ -27,7 +27,7 @@ from mla_jax.engine.engine import Engine, EngineConfig, Request
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_checkpoints import write_checkpoint  # noqa: E402
+from hf_checkpoints import greedy_tokens, write_checkpoint  # noqa: E402
 
 BLOCK = 4
 VOCAB = 96  # the test checkpoints'
@@ -40,16 +40,7 @@ def v3(tmp_path_factory):
     seed = int(np.random.default_rng([_BASE_SEED, 31]).integers(2**31))
     hf = write_checkpoint("v3", path, seed)
 
-    @functools.cache
-    def greedy(prompt: tuple[int, ...], new_tokens: int) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        return out[0, len(prompt) :].tolist()
+    greedy = functools.cache(functools.partial(greedy_tokens, hf))
 
     return load_model(path)[1], greedy
 

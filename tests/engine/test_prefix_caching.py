@@ -20,7 +20,7 @@ from conftest import _BASE_SEED, generate_script
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_checkpoints import write_checkpoint  # noqa: E402
+from hf_checkpoints import greedy_tokens, write_checkpoint  # noqa: E402
 
 from mla_jax.checkpoint.loader import load_model  # noqa: E402
 from mla_jax.engine.engine import Engine, EngineConfig, Request  # noqa: E402
@@ -39,14 +39,7 @@ def v3(tmp_path_factory):
 
     @functools.cache
     def greedy(prompt: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        return out[0, len(prompt) :].tolist()
+        return greedy_tokens(hf, prompt, new_tokens)
 
     return path, load_model(path)[1], greedy
 

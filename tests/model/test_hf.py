@@ -27,7 +27,7 @@ from teacher_forcing import teacher_forced_logits
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
+from hf_checkpoints import CHECKPOINTS, greedy_tokens, write_checkpoint  # noqa: E402
 
 from mla_jax.cache.latent_cache import init_cache  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
@@ -113,11 +113,7 @@ def test_greedy_tokens_match(checkpoint, rng, budget, impl, request):
         argv += ["--prompt-ids", ",".join(map(str, prompt))]
     result = generate_script().main(argv)
     for prompt, output in zip(prompts, result["outputs"], strict=True):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
-            )
-        assert output["generated_ids"] == out[0, len(prompt) :].tolist()
+        assert output["generated_ids"] == greedy_tokens(hf, prompt, 6)
 
 
 @pytest.fixture
@@ -181,11 +177,7 @@ def test_kept_fp8_weights_greedy_tokens_match(fp8_checkpoint, rng, impl):
         argv += ["--prompt-ids", ",".join(map(str, prompt))]
     result = generate_script().main(argv)
     for prompt, output in zip(prompts, result["outputs"], strict=True):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
-            )
-        assert output["generated_ids"] == out[0, len(prompt) :].tolist()
+        assert output["generated_ids"] == greedy_tokens(hf, prompt, 6)
 
 
 FP8_LOGITS_TOL = 0.3
