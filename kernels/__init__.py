@@ -9,6 +9,7 @@ is (``tests/test_readme.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -16,6 +17,9 @@ import jax
 import numpy as np
 
 from . import decode, fp8_matmul, grouped_matmul, merge, prefill, tiling
+from .decode import pallas_mosaic_gpu
+
+log = logging.getLogger(__name__)
 
 
 class KernelSet(NamedTuple):
@@ -23,13 +27,16 @@ class KernelSet(NamedTuple):
     (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
     ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
     ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
-    causal, schedule, FP8 weights' scales and blocks)."""
+    causal, schedule, FP8 weights' scales and blocks). ``backend`` names the set
+    (``"reference"``, ``"triton"`` or ``"mosaic_gpu"``): the host plans the Pallas kernels'
+    schedules for it (``KernelPlan``)."""
 
     mla_decode: Callable
     flash_prefill: Callable
     merge_attn_states: Callable
     grouped_matmul: Callable
     fp8_matmul: Callable
+    backend: str = "triton"
 
 
 REFERENCE = KernelSet(
@@ -38,47 +45,117 @@ REFERENCE = KernelSet(
     merge.reference.merge_attn_states,
     grouped_matmul.reference.grouped_matmul,
     fp8_matmul.reference.fp8_matmul,
+    backend="reference",
 )
-PALLAS = KernelSet(
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+# The portable Pallas kernels: Triton lowering on any CUDA GPU and every jax in the range,
+# interpret mode elsewhere.
+TRITON = KernelSet(
     decode.mla_decode,
     prefill.flash_prefill,
     merge.merge_attn_states,
     grouped_matmul.grouped_matmul,
     fp8_matmul.fp8_matmul,
+    backend="triton",
 )
 
 
+def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, schedule=None):
+    """The Mosaic GPU decode where it beats the Triton one (64 heads and more:
+    ``pallas_mosaic_gpu.pays_off``), the Triton decode below (logged once); ``KernelPlan``
+    plans the schedule for the same kernel."""
+    if pallas_mosaic_gpu.pays_off(q_lat.shape[1]):
+        kernel = pallas_mosaic_gpu.mla_decode
+    else:
+        _log_once(
+            f"mla_decode: the Triton kernel for {q_lat.shape[1]} heads (the Mosaic GPU kernel "
+            f"pads heads to {pallas_mosaic_gpu.BLOCK_H} rows and is slower below that)"
+        )
+        kernel = decode.mla_decode
+    return kernel(q_lat, q_pe, kv_cache, block_table, seq_lens, scale=scale, schedule=schedule)
+
+
+# Hopper (sm90): the decode on Mosaic GPU (wgmma, TMA, two warpgroups); the other kernels
+# are Triton's until they have Mosaic GPU versions.
+MOSAIC_GPU = TRITON._replace(mla_decode=_hopper_decode, backend="mosaic_gpu")
+PALLAS = TRITON  # the portable set; ``select("pallas")`` picks the best one for the device
+
+
 def select(impl: str | KernelSet = "auto") -> KernelSet:
-    """``"pallas"``: the Pallas kernels (compiled through Triton on GPUs, interpreted
-    elsewhere); ``"reference"``: the pure-jnp references; ``"auto"``: Pallas on GPUs, the
-    references elsewhere (interpret mode is for tests, not speed); a ``KernelSet`` (e.g.
-    ``mla_jax.parallel.sharding.sharded_kernels``) is used as it is."""
+    """The kernels for ``impl``:
+
+    * ``"auto"``: ``"pallas"`` on GPUs, the references elsewhere (interpret mode is for
+      tests, not speed);
+    * ``"pallas"``: the Mosaic GPU set on an sm90 GPU whose jax compiles it, the Triton set
+      on other GPUs and older jax (interpreted off a GPU); the choice is logged once;
+    * ``"mosaic_gpu"`` / ``"triton"``: that set, forced (Mosaic GPU where it cannot run is
+      a one-line error; off a GPU both run in their interpret modes);
+    * ``"reference"``: the pure-jnp references;
+    * a ``KernelSet`` (e.g. ``mla_jax.parallel.sharding.sharded_kernels``) as it is."""
     if isinstance(impl, KernelSet):
         return impl
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl == "pallas":
-        return PALLAS
+        reason = pallas_mosaic_gpu.device_unsupported()
+        if reason is None and jax.default_backend() == "gpu":
+            _log_once("kernels: Mosaic GPU decode (sm90), Triton for the other kernels")
+            return MOSAIC_GPU
+        if jax.default_backend() == "gpu":
+            _log_once(f"kernels: Triton (the Mosaic GPU kernels do not run {reason})")
+        return TRITON
+    if impl == "triton":
+        return TRITON
+    if impl == "mosaic_gpu":
+        reason = pallas_mosaic_gpu.device_unsupported()
+        if reason is not None:
+            raise ValueError(f"impl='mosaic_gpu': the Mosaic GPU kernels do not run {reason}")
+        return MOSAIC_GPU
     if impl == "reference":
         return REFERENCE
-    raise ValueError(f"unknown kernel implementation {impl!r} (auto, pallas or reference)")
+    raise ValueError(
+        f"unknown kernel implementation {impl!r} (auto, pallas, mosaic_gpu, triton or reference)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """What the host needs to schedule the Pallas kernels of a model with ``num_heads``
-    heads on a GPU with ``num_sms`` multiprocessors."""
+    heads on a GPU with ``num_sms`` multiprocessors, for the kernels of ``backend``
+    (``"triton"`` or ``"mosaic_gpu"``: each decode kernel has its own program count and
+    step)."""
 
     num_heads: int
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.PrefillConfig().block_q
+    backend: str = "triton"
+
+    def __post_init__(self):
+        if self.backend not in ("triton", "mosaic_gpu"):
+            raise ValueError(f"KernelPlan backend {self.backend!r} (triton or mosaic_gpu)")
 
     def decode_config(self, batch: int) -> decode.DecodeConfig:
-        """The launch parameters ``mla_decode`` picks for a batch of ``batch`` decodes."""
+        """The launch parameters the Triton ``mla_decode`` picks for a batch of ``batch``
+        decodes."""
         return decode.DecodeConfig.for_shape(self.num_heads, batch)
+
+    @property
+    def mosaic_decode(self) -> bool:
+        """Whether ``mla_decode`` runs the Mosaic GPU kernel (else the Triton one)."""
+        return self.backend == "mosaic_gpu" and pallas_mosaic_gpu.pays_off(self.num_heads)
 
     def decode_programs(self, batch: int) -> int:
         """Decode programs per block of heads for a batch of ``batch`` decodes."""
+        if self.mosaic_decode:
+            return pallas_mosaic_gpu.num_programs(self.num_heads, self.num_sms)
         return decode.num_programs(self.decode_config(batch), self.num_heads, self.num_sms)
 
     def decode_schedule(self, seq_lens: np.ndarray) -> decode.DecodeSchedule:
@@ -87,10 +164,11 @@ class KernelPlan:
         alone, so that a padded batch size compiles once."""
         batch = seq_lens.shape[0]
         programs = self.decode_programs(batch)
+        step = pallas_mosaic_gpu.PAGE if self.mosaic_decode else self.decode_config(batch).block_k
         return decode.schedule_splits(
             seq_lens,
             num_programs=programs,
-            block_k=self.decode_config(batch).block_k,
+            block_k=step,
             num_items=decode.max_items(batch, programs),
         )
 
@@ -105,14 +183,20 @@ class KernelPlan:
         )
 
     @classmethod
-    def for_device(cls, num_heads: int, device: jax.Device | None = None) -> KernelPlan:
+    def for_device(
+        cls, num_heads: int, device: jax.Device | None = None, backend: str = "triton"
+    ) -> KernelPlan:
         """The plan for ``device`` (default: the first one): its multiprocessor count, or an
         H100's / H200's where it reports none (a CPU running the kernels interpreted)."""
         device = device or jax.devices()[0]
-        return cls(num_heads, getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS)
+        num_sms = getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS
+        return cls(num_heads, num_sms, backend=backend)
 
     @classmethod
     def for_impl(cls, impl: str | KernelSet, num_heads: int) -> KernelPlan | None:
-        """The plan for this device when ``impl`` selects the Pallas kernels (they need the
+        """The plan for this device and the kernels ``impl`` selects (they need the
         schedules); None for the references, which take none."""
-        return cls.for_device(num_heads) if select(impl) is PALLAS else None
+        kernel_set = select(impl)
+        if kernel_set.backend == "reference":
+            return None
+        return cls.for_device(num_heads, backend=kernel_set.backend)

@@ -15,6 +15,7 @@ dequantized, then one matmul). ``--smoke``: V3's layer shrunk (hidden 32, 16 exp
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,14 @@ def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
     return module
 
 
+def _jitted(module: nnx.Module, impl: str):
+    """``module(x, impl=impl)`` compiled, its weights passed as arguments (closed over, XLA
+    would fold gigabytes of constants into the program)."""
+    graphdef, state = nnx.split(module)
+    step = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, impl=impl))
+    return functools.partial(step, state)
+
+
 def _compare(bf16_fn, fp8_fn, fp8_reference, args_sets) -> dict:
     """Times of the bf16 and FP8 functions over the same inputs, and the FP8 path's error
     against its reference."""
@@ -95,12 +104,9 @@ def moe_rows(sizes: Sizes) -> list[dict]:
     for tokens in sizes.tokens:
         keys = jax.random.split(jax.random.key(tokens), 3)
         args = [(jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16),) for k in keys]
-
-        def layer(module, impl):
-            graphdef, state = nnx.split(module)
-            return jax.jit(lambda x: nnx.merge(graphdef, state)(x, impl=impl))
-
-        r = _compare(layer(bf16, "pallas"), layer(fp8, "pallas"), layer(fp8, "reference"), args)
+        r = _compare(
+            _jitted(bf16, "pallas"), _jitted(fp8, "pallas"), _jitted(fp8, "reference"), args
+        )
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))
     return rows
@@ -114,12 +120,9 @@ def projection_rows(sizes: Sizes) -> list[dict]:
         for tokens in sizes.tokens:
             keys = jax.random.split(jax.random.key(tokens), 3)
             args = [(jax.random.normal(k, (tokens, n_in), jnp.bfloat16),) for k in keys]
-
-            def call(module, impl):
-                graphdef, state = nnx.split(module)
-                return jax.jit(lambda x: nnx.merge(graphdef, state)(x, impl=impl))
-
-            r = _compare(call(bf16, "pallas"), call(fp8, "pallas"), call(fp8, "reference"), args)
+            r = _compare(
+                _jitted(bf16, "pallas"), _jitted(fp8, "pallas"), _jitted(fp8, "reference"), args
+            )
             print(name, tokens, jsonable(r), flush=True)
             rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
     return rows

@@ -125,7 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"compiled programs on disk (default: {compilation.default_program_dir()})",
     )
     ap.add_argument("--no-compilation-cache", action="store_true", help="compile every run")
-    ap.add_argument("--impl", choices=["auto", "pallas", "reference"], default="auto")
+    ap.add_argument(
+        "--impl",
+        choices=["auto", "pallas", "mosaic_gpu", "triton", "reference"],
+        default="auto",
+        help="kernels (mla_jax.kernels.select): auto is pallas on a GPU, reference elsewhere",
+    )
     ap.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,

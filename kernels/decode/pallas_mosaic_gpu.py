@@ -45,8 +45,11 @@ from . import pallas_triton
 log = logging.getLogger(__name__)
 
 BLOCK_H = 64  # query-head rows of a program: one wgmma M tile
-PAGE = 64  # cache page = tokens per step
-ROPE = 64  # k_pe width: one 128-byte swizzled tile
+PAGE = 64  # cache page
+CHUNK = 32  # tokens per softmax step: half a page, the page's owner warpgroup's share
+NUM_SLOTS = 2  # pages in shared memory: the next page's copies fly while one is computed
+ROPE = 64  # k_pe width
+SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
 
 
@@ -69,14 +72,40 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // BLOCK_H) * BLOCK_H
 
 
+def pays_off(num_heads: int) -> bool:
+    """Whether the kernel beats the Triton one at ``num_heads`` heads: from 64 (one wgmma
+    tile of rows) up. Fewer heads are padded to 64 rows, which at 16 heads is 4x the work
+    of a bandwidth-bound decode: 1.13-1.80x the Triton kernel's time on an H200
+    (BENCHMARKS.md, ``decode_mgpu``)."""
+    return num_heads >= BLOCK_H
+
+
 def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -> int:
     """Programs per block of 64 heads: one a multiprocessor (a program takes 225 KB of
     shared memory), the multiprocessors shared between the head blocks."""
     return max(1, num_sms // (padded_heads(num_heads) // BLOCK_H))
 
 
+def device_unsupported() -> str | None:
+    """Why the Mosaic GPU kernels cannot run on this device and jax (None: they can,
+    compiled on an sm90 GPU or in Mosaic GPU's interpret mode elsewhere)."""
+    if jax.default_backend() != "gpu":
+        if not hasattr(plgpu, "InterpretGPUParams"):
+            return f"on jax {jax.__version__} interpreted (Mosaic GPU's interpret mode needs 0.11)"
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", "")
+    if cc and not str(cc).startswith("9"):
+        return f"on compute capability {cc} (they run on sm90)"
+    if tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11):
+        # Compiled and run on 0.11.2. The Mosaic GPU lowering of 0.12 refuses the
+        # output's register-to-global stores (a warp's bf16 row is half a 32-byte
+        # sector); interpret mode runs on 0.11 and 0.12.
+        return f"on jax {jax.__version__} compiled (they run on 0.11)"
+    return None
+
+
 def unsupported(q_lat, q_pe, kv_cache) -> str | None:
-    """Why the Mosaic GPU kernel cannot run these inputs (None: it can)."""
+    """Why the Mosaic GPU kernel cannot run these inputs here (None: it can)."""
     if isinstance(kv_cache, fp8.Fp8Cache):
         return "an FP8 cache"
     if len(kv_cache.shape) != 3 or q_lat.ndim != 3 or q_pe.ndim != 3:
@@ -87,21 +116,23 @@ def unsupported(q_lat, q_pe, kv_cache) -> str | None:
         return f"dtype {q_lat.dtype} (runs bfloat16)"
     if q_lat.shape[-1] % (2 * 64) or q_pe.shape[-1] != ROPE:
         return f"Lkv {q_lat.shape[-1]} and R {q_pe.shape[-1]} (runs Lkv % 128 == 0, R == {ROPE})"
-    if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
-        return f"jax {jax.__version__} interpreted (Mosaic GPU's interpret mode needs 0.11)"
-    if jax.default_backend() == "gpu":
-        cc = getattr(jax.devices()[0], "compute_capability", "")
-        if cc and not str(cc).startswith("9"):
-            return f"compute capability {cc} (runs sm90)"
-        if tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11):
-            # Compiled and run on 0.11.2. The Mosaic GPU lowering of 0.12 refuses the
-            # output's register-to-global stores (a warp's bf16 row is half a 32-byte
-            # sector); interpret mode runs on 0.11 and 0.12.
-            return f"jax {jax.__version__} compiled (runs 0.11)"
-    return None
+    return device_unsupported()
 
 
 _logged: set[str] = set()
+
+
+def _finite(m: jax.Array) -> jax.Array:
+    """A row maximum to subtract: 0 where no key was seen yet (``m = -inf``), so that
+    ``2^(-inf - m)`` is 0 and never NaN."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _rescale(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
+    """``2^(m_prev - m_new)``, the factor of what was summed under ``m_prev``: 0 where
+    nothing was (``m_prev = -inf``), also when ``m_new`` is still -inf (an item's first
+    chunk may lie before its start)."""
+    return jnp.exp2(m_prev - _finite(m_new))
 
 
 def _log_once(message: str) -> None:
@@ -245,18 +276,25 @@ def _decode_call(
     """The split-KV kernel: ``(out, lse)`` of the items that cover a request whole, the
     float32 partials ``(o_part, lse_part)`` of the others."""
     b, heads, lkv = q_lat.shape
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    # 64-byte swizzle everywhere: a wgmma's operands share one swizzle, and the product
+    # of a chunk's probabilities [64, 32] with its values has a 64-byte (K = 32) A row.
+    swizzled = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(64))
     bf16 = jnp.bfloat16
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), bf16, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
-        kv_smem=plgpu.SMEM((2, PAGE, lkv), bf16, transforms=swizzled),
-        pe_smem=plgpu.SMEM((2, PAGE, ROPE), bf16, transforms=swizzled),
-        m_smem=plgpu.SMEM((2, BLOCK_H), jnp.float32),
-        l_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
-        kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # two copies a page
-        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # warpgroup 1 -> 0
-        p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        kv_smem=plgpu.SMEM((NUM_SLOTS, PAGE, lkv), bf16, transforms=swizzled),
+        # A chunk's probabilities [64, CHUNK] take the bytes of its rope rows [CHUNK, 64]:
+        # those are read only by the chunk's own scores, which come first.
+        pe_or_probs=plgpu.RefUnion(
+            plgpu.SMEM((NUM_SLOTS, PAGE, ROPE), bf16, transforms=swizzled),
+            plgpu.SMEM((NUM_SLOTS, NUM_WARPGROUPS, BLOCK_H, CHUNK), bf16, transforms=swizzled),
+        ),
+        m_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
+        l_smem=plgpu.SMEM((2, NUM_WARPGROUPS, BLOCK_H), jnp.float32),
+        kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),  # two copies a page
+        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # warpgroup 1 -> 0
+        p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_WARPGROUPS),  # owner -> other
         q_ready=plgpu.Barrier(num_arrivals=2),
         q_free=plgpu.Barrier(num_arrivals=1),
         l_ready=plgpu.Barrier(num_arrivals=NUM_WARPGROUPS),
@@ -311,7 +349,7 @@ def _kernel(
     q_lat_smem,
     q_pe_smem,
     kv_smem,
-    pe_smem,
+    pe_or_probs,
     m_smem,
     l_smem,
     kv_ready,
@@ -326,6 +364,7 @@ def _kernel(
     """One program (a block of 64 heads x a share of the batch's tokens) on two warpgroups;
     the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``)."""
     lkv = q_lat_smem.shape[-1]
+    pe_smem, p_smem = pe_or_probs
     half_width = lkv // NUM_WARPGROUPS
     wg = lax.axis_index("wg")
     p = lax.axis_index("p")
@@ -334,25 +373,6 @@ def _kernel(
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     log2_scale = scale * math.log2(math.e)
-
-    def item_pages(i):
-        """An item's request, token range, first and last page and page pairs (its pages
-        rounded up to an even count: the warpgroups take pages two at a time)."""
-        req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
-        first_page = start // PAGE
-        last_page = jnp.maximum(end - 1, 0) // PAGE
-        pairs = jnp.where(end > start, (last_page - first_page + 2) // 2, 0)
-        return req, start, end, first_page, last_page, pairs
-
-    def load_page(slot, block):
-        """Starts the copies of cache page ``block`` into ``slot`` (warpgroup 0 issues them,
-        once the slot is free)."""
-        plgpu.copy_gmem_to_smem(
-            cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
-        )
-        plgpu.copy_gmem_to_smem(
-            cache_ref.at[block, :, pl.ds(lkv, ROPE)], pe_smem.at[slot], kv_ready.at[slot]
-        )
 
     def accumulate(acc, alpha, a_ref, b_ref, during=lambda: None):
         """``acc * alpha[:, None] + a_ref @ b_ref`` with ``during()`` run while the wgmma is
@@ -371,158 +391,161 @@ def _kernel(
         total, result = pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32))
         return (scaled + total if interpret else total), result
 
-    def scores(slot, during=lambda: None):
-        """``[64, 64]`` raw scores of the page in ``slot`` (waits for its copy), with
-        ``during()`` run while the wgmma is in flight."""
+    def scores(slot, c, during=lambda: None):
+        """``[64, CHUNK]`` raw scores of chunk ``c`` of the page in ``slot`` (waits for its
+        copy), with ``during()`` run while the wgmma is in flight."""
 
         def scope(s_ref):
             plgpu.barrier_wait(kv_ready.at[slot])
-            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot].T)
-            plgpu.wgmma(s_ref, q_pe_smem, pe_smem.at[slot].T)
+            rows = pl.ds(c * CHUNK, CHUNK)
+            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, rows].T)
+            plgpu.wgmma(s_ref, q_pe_smem, pe_smem.at[slot, rows].T)
             result = during()
             return s_ref[...], result
 
-        return pl.run_scoped(scope, plgpu.ACC((BLOCK_H, PAGE), jnp.float32))
+        return pl.run_scoped(scope, plgpu.ACC((BLOCK_H, CHUNK), jnp.float32))
 
     def warpgroup(w):
-        """Warpgroup ``w``'s part of the program's items: output columns ``half``, the
-        pages ``2j + w`` of each pair ``j`` (and, for warpgroup 0, every copy)."""
+        """Warpgroup ``w``'s part of the program's items: output columns ``half``, chunk
+        ``w`` of each page (and, for warpgroup 0, every copy)."""
         half = pl.ds(w * half_width, half_width)
 
-        def item(i, pairs_done):
-            req, start, end, first_page, last_page, pairs = item_pages(i)
+        def item(i, pages_done):
+            req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
+            first_page = start // PAGE
+            last_page = jnp.maximum(end - 1, 0) // PAGE
+            pages = jnp.where(end > start, last_page - first_page + 1, 0)
 
-            def block(k):
-                """The cache block of the item's page ``k`` (past the last page: the last
-                page again, which the padding page of an odd count reloads, masked)."""
-                return block_table_ref[req, jnp.minimum(first_page + k, last_page)]
+            def slot_of(k):
+                return (pages_done + k) % NUM_SLOTS
+
+            def load_page(k):
+                """Starts the copies of the item's page ``k`` into its slot (warpgroup 0
+                issues them, once the slot is free)."""
+                slot = slot_of(k)
+                block = block_table_ref[req, first_page + k]
+                plgpu.copy_gmem_to_smem(
+                    cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    cache_ref.at[block, :, pl.ds(lkv, ROPE)], pe_smem.at[slot], kv_ready.at[slot]
+                )
 
             if w == 0:
-                # The item's queries once warpgroup 1 is done with the last item's, its first
-                # two pages once warpgroup 1 released the last pair's slots.
+                # The item's queries once warpgroup 1 is done with the last item's, its
+                # first pages into the slots (every earlier use of them was released).
                 @pl.when(i > first_item)
                 def _():
                     plgpu.barrier_wait(q_free)
 
                 plgpu.copy_gmem_to_smem(q_lat_ref.at[req, heads], q_lat_smem, q_ready)
                 plgpu.copy_gmem_to_smem(q_pe_ref.at[req, heads], q_pe_smem, q_ready)
-
-                @pl.when(pairs > 0)
-                def _():
-                    for slot, first_block in enumerate([block(0), block(1)]):
-
-                        @pl.when(pairs_done > 0)
-                        def _(slot=slot):
-                            plgpu.barrier_wait(kv_free.at[slot])
-
-                        load_page(slot, first_block)
+                for k in range(NUM_SLOTS):
+                    pl.when(k < pages)(functools.partial(load_page, k))
 
             plgpu.barrier_wait(q_ready)
 
-            def own_page(slot, s, m_prev, l, k):
-                """The owner's part of page ``k`` of the item (in ``slot``, raw scores
-                ``s``): zero the value rows past the end, mask, online softmax, publish the
-                probabilities and the new maximum. Returns (m_new, l_new, alpha)."""
-                tok0 = (first_page + k) * PAGE
-                rows_valid = end - jnp.minimum(first_page + k, last_page) * PAGE
+            def zero_past_end(slot, k):
+                """Zeroes the value rows of page ``k`` past the item's end (stale or NaN rows
+                of a page a request does not fill) before any product reads them."""
+                row = plgpu.broadcasted_iota(
+                    jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
+                )
+                valid = row < end - (first_page + k) * PAGE
+                for column in range(lkv // SWIZZLE_COLUMNS):
+                    tile = kv_smem.at[slot, :, pl.ds(column * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)]
+                    values = tile[...]
+                    tile[...] = jnp.where(valid, values, jnp.zeros_like(values))
 
-                @pl.when(rows_valid < PAGE)
-                def _():
-                    row = plgpu.broadcasted_iota(jnp.int32, (PAGE, 64), 0, layout=wgmma_layout)
-                    for c in range(lkv // 64):
-                        tile = kv_smem.at[slot, :, pl.ds(c * 64, 64)]
-                        values = tile[...]
-                        tile[...] = jnp.where(row < rows_valid, values, jnp.zeros_like(values))
+            def own_chunk(slot, k, s, m_prev, l):
+                """The owner's part of chunk ``w`` of page ``k`` (raw scores ``s``): mask,
+                online softmax, publish the probabilities and the new maximum. Returns
+                (m_new, l_new, alpha)."""
+                first_token = (first_page + k) * PAGE + w * CHUNK
 
                 def mask(s):
-                    col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, PAGE), 1, layout=wgmma_layout)
-                    tok = tok0 + col
-                    return jnp.where((tok >= start) & (tok < end), s, -jnp.inf)
+                    col = plgpu.broadcasted_iota(
+                        jnp.int32, (BLOCK_H, CHUNK), 1, layout=wgmma_layout
+                    )
+                    token = first_token + col
+                    return jnp.where((token >= start) & (token < end), s, -jnp.inf)
 
                 # Only an item's first and last pages have keys outside it: the mask's
                 # registers are needed in that branch alone.
-                boundary = (tok0 < start) | (tok0 + PAGE > end)
+                boundary = (first_token < start) | (first_token + CHUNK > end)
                 s = lax.cond(boundary, mask, lambda s: s, s)
-                # The first page of an item has a key in every row, so m_new is finite
-                # from then on and no -inf - -inf arises.
                 m_new = jnp.maximum(m_prev, s.max(axis=1) * log2_scale)
-                probs = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                alpha = jnp.exp2(m_prev - m_new)
+                probs = jnp.exp2(
+                    s * log2_scale - lax.broadcast_in_dim(_finite(m_new), s.shape, [0])
+                )
+                alpha = _rescale(m_prev, m_new)
                 l = l * alpha + probs.sum(axis=1)
-                pe_smem[slot] = probs.astype(jnp.bfloat16)
-                m_smem[slot] = m_new
+                p_smem[slot, w] = probs.astype(jnp.bfloat16)
+                m_smem[w] = m_new
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready.at[slot])
+                plgpu.barrier_arrive(p_ready.at[w])
                 return m_new, l, alpha
 
-            def values(slot):
-                return kv_smem.at[slot, :, half]
+            def values(slot, c):
+                return kv_smem.at[slot, pl.ds(c * CHUNK, CHUNK), half]
 
-            def pair(j, state):
+            def other_probs(c):
+                """Waits for chunk ``c``'s probabilities (from the other warpgroup) and
+                returns its row maximum."""
+                plgpu.barrier_wait(p_ready.at[c])
+                return plgpu.layout_cast(m_smem[c], row_layout)
+
+            def page(k, state):
                 acc, m, l = state
+                slot = slot_of(k)
                 if w == 0:
-                    # Page 2j is ours: scores, softmax, publish, then our half of both
-                    # pages' products (page 2j + 1's probabilities come from warpgroup 1).
-                    # Each slot is refilled with the next pair's page as soon as warpgroup 1
-                    # releases it; the block ids are read first, their latency hidden by
-                    # this pair's work.
-                    more = j + 1 < pairs
-                    next_blocks = [block(2 * j + 2), block(2 * j + 3)]
-
-                    def refill(slot):
-                        @pl.when(more)
-                        def _():
-                            plgpu.barrier_wait(kv_free.at[slot])
-                            load_page(slot, next_blocks[slot])
-
-                    s, _ = scores(0)
-                    m0, l, alpha0 = own_page(0, s, m, l, 2 * j)
-
-                    def wait_for_odd_page():
-                        plgpu.barrier_wait(kv_ready.at[1])
-                        plgpu.barrier_wait(p_ready.at[1])
-                        return plgpu.layout_cast(m_smem[1], row_layout)
-
-                    acc, m1 = accumulate(acc, alpha0, pe_smem.at[0], values(0), wait_for_odd_page)
-                    refill(0)
-                    alpha1 = jnp.exp2(m0 - m1)
-                    acc, _ = accumulate(acc, alpha1, pe_smem.at[1], values(1))
-                    refill(1)
+                    # Chunk 0 is ours: scores, softmax, publish, then our half of both
+                    # chunks' products (chunk 1's probabilities come from warpgroup 1). The
+                    # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it.
+                    s, _ = scores(slot, 0)
+                    pl.when((k == pages - 1) & (end % PAGE != 0))(
+                        functools.partial(zero_past_end, slot, k)
+                    )
+                    m0, l, alpha0 = own_chunk(slot, k, s, m, l)
+                    acc, m1 = accumulate(
+                        acc, alpha0, p_smem.at[slot, 0], values(slot, 0), lambda: other_probs(1)
+                    )
+                    alpha1 = _rescale(m0, m1)
+                    acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
+                    plgpu.barrier_wait(kv_free.at[slot])
+                    pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))
                     return acc, m1, l * alpha1
 
-                # Page 2j + 1 is ours: its scores run while page 2j's softmax finishes on
-                # warpgroup 0; our softmax runs while page 2j's product is in flight.
-                def wait_for_even_page():
-                    plgpu.barrier_wait(kv_ready.at[0])
-                    plgpu.barrier_wait(p_ready.at[0])
-                    return plgpu.layout_cast(m_smem[0], row_layout)
-
-                s, m0 = scores(1, wait_for_even_page)
-                alpha0 = jnp.exp2(m - m0)
+                # Chunk 1 is ours: its scores run while chunk 0's softmax finishes on
+                # warpgroup 0; our softmax runs while chunk 0's product is in flight.
+                s, m0 = scores(slot, 1, lambda: other_probs(0))
+                alpha0 = _rescale(m, m0)
                 acc, (m1, l, alpha1) = accumulate(
                     acc,
                     alpha0,
-                    pe_smem.at[0],
-                    values(0),
-                    lambda: own_page(1, s, m0, l * alpha0, 2 * j + 1),
+                    p_smem.at[slot, 0],
+                    values(slot, 0),
+                    lambda: own_chunk(slot, k, s, m0, l * alpha0),
                 )
-                plgpu.barrier_arrive(kv_free.at[0])
-                acc, _ = accumulate(acc, alpha1, pe_smem.at[1], values(1))
-                plgpu.barrier_arrive(kv_free.at[1])
+                acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
+                plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m1, l
 
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half_width), jnp.float32), wgmma_layout)
             m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-            acc, m, l = lax.fori_loop(0, pairs, pair, (acc, m, l))
+            acc, m, l = lax.fori_loop(0, pages, page, (acc, m, l))
             if w == 1:
                 plgpu.barrier_arrive(q_free)
 
-            # Each warpgroup summed the probabilities of its own pages.
-            l_smem[w] = l
+            # Each warpgroup summed the probabilities of its own chunks.
+            # Two buffers by item parity: an empty next item must not overwrite a sum the
+            # other warpgroup has yet to read (l_ready orders items two apart).
+            sums = l_smem.at[i % 2]
+            sums[w] = l
             plgpu.barrier_arrive(l_ready)
             plgpu.barrier_wait(l_ready)
-            l = plgpu.layout_cast(l_smem[0], row_layout) + plgpu.layout_cast(l_smem[1], row_layout)
+            l = plgpu.layout_cast(sums[0], row_layout) + plgpu.layout_cast(sums[1], row_layout)
             nonempty = l > 0
             inv = 1.0 / jnp.where(nonempty, l, 1.0)
             out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -545,16 +568,12 @@ def _kernel(
                 if w == 0:
                     lse_part_ref[i, heads] = lse
 
-            return pairs_done + pairs
+            return pages_done + pages
 
-        pairs_done = lax.fori_loop(first_item, last_item, item, 0)
+        lax.fori_loop(first_item, last_item, item, 0)
         if w == 0:
-            # Observe warpgroup 1's last releases: every mbarrier phase is waited for.
-            @pl.when(pairs_done > 0)
-            def _():
-                for slot in range(2):
-                    plgpu.barrier_wait(kv_free.at[slot])
-
+            # Observe warpgroup 1's last release of the queries: every mbarrier phase is
+            # waited for.
             @pl.when(last_item > first_item)
             def _():
                 plgpu.barrier_wait(q_free)

@@ -301,5 +301,10 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     # The FP8 projections' matmul runs as it is: XLA gives it whole weights (a split FP8
     # projection is gathered on each device; TP over FP8 projections is not wrapped yet).
     return kernels.KernelSet(
-        mla_decode, flash_prefill, merge_attn_states, grouped_matmul, kernel_set.fp8_matmul
+        mla_decode,
+        flash_prefill,
+        merge_attn_states,
+        grouped_matmul,
+        kernel_set.fp8_matmul,
+        backend=kernel_set.backend,
     )
