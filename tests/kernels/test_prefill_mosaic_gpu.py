@@ -46,8 +46,10 @@ def _run(rng, lq, lk, *, causal, n=1, dqk=192, dv=128, host=True, config=None):
         rng, lq, lk, n=n, dqk=dqk, dv=dv, dtype=BF16, poison=True
     )
     schedule = prefill.schedule_query_tiles(cu_q, q.shape[0], mosaic.BLOCK_Q) if host else None
+    args = [jnp.asarray(a, BF16) for a in (q, k, v)]
+    assert mosaic.unsupported(*args, config) is None  # no silent fallback to Triton
     got = mosaic.flash_prefill(
-        *(jnp.asarray(a, BF16) for a in (q, k, v)),
+        *args,
         jnp.asarray(cu_q),
         jnp.asarray(cu_k),
         scale=SCALE,
@@ -133,9 +135,10 @@ def test_bad_inputs_are_refused_like_triton():
     [
         mosaic.MosaicPrefillConfig(),
         mosaic.MosaicPrefillConfig(p_in_registers=False),
-        mosaic.MosaicPrefillConfig(block_k=128, num_stages=2),
+        mosaic.MosaicPrefillConfig(num_stages=2),
+        mosaic.MosaicPrefillConfig(auto_barriers=True),
     ],
-    ids=["default", "p_staged", "block_k_128"],
+    ids=["default", "p_staged", "two_stages", "auto_barriers"],
 )
 def test_deepseek_widths_compiled(rng, causal, config):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
