@@ -41,12 +41,18 @@ def _inputs(rng, lq, lk, *, n, dqk, dv, dtype, poison=False):
     return q, k, v, cu_q, cu_k
 
 
-def _check(got, q, k, v, cu_q, cu_k, *, causal, scale, tol):
-    """``got = (out, lse)`` against float64 attention: out within ``tol[0]`` relative, lse
-    within ``tol[1]`` absolute, -inf exactly where a row has no key (and out 0 there)."""
-    tq, tk = q.shape[0], k.shape[0]
-    finite = [np.nan_to_num(a) for a in (q, k, v)]  # masked padding rows: any value
-    want, want_lse = ref.attention(*finite, ref.ragged_mask(cu_q, cu_k, tq, tk, causal), scale)
+def _expected(q, k, v, cu_q, cu_k, *, causal, scale):
+    """Float64 ``(out, lse)`` of the ragged batch (padding rows: 0 and -inf)."""
+    return ref.ragged_attention(q, k, v, cu_q, cu_k, causal, scale)
+
+
+def _check(got, q, k, v, cu_q, cu_k, *, causal, scale, tol, want=None):
+    """``got = (out, lse)`` against float64 attention (``want``, or ``_expected``): out
+    within ``tol[0]`` relative, lse within ``tol[1]`` absolute, -inf exactly where a row has
+    no key (and out 0 there)."""
+    if want is None:
+        want = _expected(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    want, want_lse = want
     out, lse = np.asarray(jnp.asarray(got[0], jnp.float32)), np.asarray(got[1])
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     out_tol, lse_tol = tol

@@ -41,10 +41,14 @@ TOL = (3e-3, 1e-5)
 SCALE = 192**-0.5
 
 
-def _run(rng, lq, lk, *, causal, n=1, dqk=192, dv=128, host=True, config=None):
-    q, k, v, cu_q, cu_k = prefill_tests._inputs(
-        rng, lq, lk, n=n, dqk=dqk, dv=dv, dtype=BF16, poison=True
-    )
+def _inputs(rng, lq, lk, *, n, dqk=192, dv=128):
+    return prefill_tests._inputs(rng, lq, lk, n=n, dqk=dqk, dv=dv, dtype=BF16, poison=True)
+
+
+def _check(inputs, *, causal, host=True, config=None, want=None):
+    """Runs the kernel on ``inputs`` (``_inputs``) and checks it against float64 (``want``,
+    or computed here)."""
+    q, k, v, cu_q, cu_k = inputs
     schedule = prefill.schedule_query_tiles(cu_q, q.shape[0], mosaic.BLOCK_Q) if host else None
     args = [jnp.asarray(a, BF16) for a in (q, k, v)]
     assert mosaic.unsupported(*args, config) is None  # no silent fallback to Triton
@@ -57,12 +61,13 @@ def _run(rng, lq, lk, *, causal, n=1, dqk=192, dv=128, host=True, config=None):
         schedule=schedule,
         config=config,
     )
-    assert (
-        got[0].dtype == BF16
-        and got[0].shape == (q.shape[0], n, dv)
-        and got[1].shape == (q.shape[0], n)
-    )
-    prefill_tests._check(got, q, k, v, cu_q, cu_k, causal=causal, scale=SCALE, tol=TOL)
+    assert got[0].dtype == BF16 and got[0].shape == (q.shape[0], q.shape[1], v.shape[-1])
+    assert got[1].shape == q.shape[:2]
+    prefill_tests._check(got, q, k, v, cu_q, cu_k, causal=causal, scale=SCALE, tol=TOL, want=want)
+
+
+def _run(rng, lq, lk, *, causal, n=1, dqk=192, dv=128, host=True, config=None):
+    _check(_inputs(rng, lq, lk, n=n, dqk=dqk, dv=dv), causal=causal, host=host, config=config)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -128,26 +133,29 @@ def test_bad_inputs_are_refused_like_triton():
         mosaic.MosaicPrefillConfig(block_k=32)
 
 
+GPU_CONFIGS = [
+    mosaic.MosaicPrefillConfig(),
+    mosaic.MosaicPrefillConfig(p_in_registers=False),
+    mosaic.MosaicPrefillConfig(num_stages=2),
+    mosaic.MosaicPrefillConfig(auto_barriers=True),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize(
-    "config",
-    [
-        mosaic.MosaicPrefillConfig(),
-        mosaic.MosaicPrefillConfig(p_in_registers=False),
-        mosaic.MosaicPrefillConfig(num_stages=2),
-        mosaic.MosaicPrefillConfig(auto_barriers=True),
-    ],
-    ids=["default", "p_staged", "two_stages", "auto_barriers"],
-)
-def test_deepseek_widths_compiled(rng, causal, config):
+def test_deepseek_widths_compiled(rng, causal):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
-    boundaries), four heads, DeepSeek's widths, context keys on some."""
+    boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
+    default, P staged in shared memory, two stages, Pallas' own barriers), with the host's
+    schedule and the device's."""
     lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
     extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
     lk = [a + b for a, b in zip(lq, extra, strict=True)]
-    for host in (True, False):
-        _run(rng, lq, lk, causal=causal, n=4, host=host, config=config)
+    inputs = _inputs(rng, lq, lk, n=4)
+    want = prefill_tests._expected(*inputs, causal=causal, scale=SCALE)
+    for config in GPU_CONFIGS:
+        for host in (True, False):
+            _check(inputs, causal=causal, host=host, config=config, want=want)
 
 
 @pytest.mark.gpu
