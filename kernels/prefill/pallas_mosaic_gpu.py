@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 BLOCK_Q = 128  # query rows of a program (a schedule's rows_per_tile)
 WG_ROWS = 64  # query rows of a consumer warpgroup: one wgmma M tile
 NUM_CONSUMERS = BLOCK_Q // WG_ROWS
+ALIGN = 8  # rows of a swizzled shared-memory tile: key boxes start on multiples of it
 SMEM_BYTES = 227 * 1024  # sm90's shared memory per block
 
 
@@ -94,7 +95,7 @@ def smem_bytes(dqk: int, dv: int, config: MosaicPrefillConfig, *, stage_p: bool)
     total += BLOCK_Q * dv * bf16  # output staging
     if stage_p:
         total += BLOCK_Q * config.block_k * bf16
-    return total + 1024  # barriers and alignment
+    return total + 2048  # barriers and alignment (Mosaic GPU counts ~1.1 KB)
 
 
 def unsupported(q, k, v, config: MosaicPrefillConfig | None = None) -> str | None:
@@ -218,7 +219,9 @@ def _flash_prefill(
     # Every TMA box must lie inside its array: arrays shorter than a box are padded (rows
     # past Tq / Tk are never stored, and their keys are masked).
     q = online_softmax.pad_to(q, (max(tq, BLOCK_Q), n, dqk))
-    rows_k = max(tk, config.block_k)
+    # Key boxes start on multiples of 8 and stay inside k: k's rows rounded up to a
+    # multiple of 8 (a copy only where they are not; the engine's buckets are).
+    rows_k = max(-(-tk // ALIGN) * ALIGN, config.block_k)
     k = online_softmax.pad_to(k, (rows_k, n, dqk))
     v = online_softmax.pad_to(v, (rows_k, n, dv))
     out, lse_tiles = _prefill_call(
@@ -274,7 +277,6 @@ def _prefill_call(
         v_smem=plgpu.SMEM((stages, bk, dv), bf16, transforms=swizzled),
         # Plain rows (no tiling): the output leaves in TMA stores of any row count.
         o_smem=plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, dv), bf16),
-        q_ready=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS),
         k_ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         v_ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
@@ -334,7 +336,6 @@ def _kernel(
     k_smem,
     v_smem,
     o_smem,
-    q_ready,
     k_ready,
     v_ready,
     k_free,
@@ -366,15 +367,26 @@ def _kernel(
     else:
         diag = None
         k_hi = k_all = k1
-    num_blocks = lax.div(k_hi - k0 + (block_k - 1), block_k)
-    num_clear = lax.div(k_all - k0, block_k)
+    # Key blocks start on multiples of ALIGN (a TMA box into 8-row tiles must start on
+    # one, provably): block j holds keys [kb + j * block_k, ...) from kb = k0 rounded down.
+    # Keys before k0 in block 0 (the previous sequence's) are masked like any stray key.
+    kb8 = lax.div(k0, ALIGN)
+    kb = kb8 * ALIGN
+    num_blocks = jnp.where(k_hi > k0, lax.div(k_hi - kb + (block_k - 1), block_k), 0)
+    # Blocks [head, clear_end) hold keys that every row of the tile sees, nothing else.
+    head = jnp.minimum(jnp.where(kb < k0, 1, 0), num_blocks)
+    clear_end = jnp.maximum(head, lax.div(k_all - kb, block_k))
     w0 = _window_start(r0, q_ref.shape[0])
-    last_block_start = k_ref.shape[0] - block_k
+    last_box8 = (k_ref.shape[0] - block_k) // ALIGN
 
     def block_window(j):
-        """Block j's first key and the first key of its TMA box (kept inside k)."""
-        first = k0 + j * block_k
-        return first, jnp.minimum(first, last_block_start)
+        """Block j's first counted key and the first key of its TMA box: the block's own
+        start, or an earlier one where the block would run past the end of k (keys before
+        ``first`` are then masked)."""
+        block8 = kb8 + j * (block_k // ALIGN)
+        first = jnp.maximum(block8 * ALIGN, k0)
+        # A product by the constant ALIGN: Mosaic GPU proves the box's alignment from it.
+        return first, jnp.minimum(block8, last_box8) * ALIGN
 
     def slot_of(j):
         return lax.rem(j, jnp.int32(num_stages))
@@ -418,8 +430,14 @@ def _kernel(
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         log2_scale = scale * math.log2(math.e)
         row0 = w0 + w * WG_ROWS
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, WG_ROWS), h], q_smem.at[w], q_ready.at[w])
-        plgpu.barrier_wait(q_ready.at[w])
+        # The queries go through registers: a tile starts on any row, and a TMA box into
+        # 8-row tiles must start on a multiple of 8.
+        for c in range(q_smem.shape[-1] // 64):
+            cols = pl.ds(c * 64, 64)
+            q_smem.at[w, :, cols][...] = plgpu.load(
+                q_ref.at[pl.ds(row0, WG_ROWS), h, cols], layout=wgmma_layout, optimized=False
+            )
+        plgpu.commit_smem()
 
         def scores(slot):
             def scope(s_ref):
@@ -497,10 +515,10 @@ def _kernel(
         acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, dv), jnp.float32), wgmma_layout)
         m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row_layout)
-        state = lax.fori_loop(0, num_clear, functools.partial(step, masked=False), (acc, m, l))
-        acc, m, l = lax.fori_loop(
-            num_clear, num_blocks, functools.partial(step, masked=True), state
-        )
+        masked = functools.partial(step, masked=True)
+        state = lax.fori_loop(0, head, masked, (acc, m, l))
+        state = lax.fori_loop(head, clear_end, functools.partial(step, masked=False), state)
+        acc, m, l = lax.fori_loop(clear_end, num_blocks, masked, state)
 
         nonempty = l > 0
         l_safe = jnp.where(nonempty, l, 1.0)
