@@ -102,6 +102,35 @@ def test_block_k_128(rng):
     _run(rng, [200, 20], [260, 20], causal=True, dqk=128, dv=64, config=config)
 
 
+@pytest.mark.parametrize(
+    "config,causal,widths",
+    [
+        (mosaic.MosaicPrefillConfig(), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(), False, (192, 128)),
+        (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
+    ],
+    ids=["default", "full", "p_staged_auto_barriers", "block_k_128"],
+)
+def test_lowers_for_sm90(config, causal, widths):
+    """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
+    sm90 off a GPU): layout inference, TMA alignment and shared memory are checked there;
+    only ptxas and the run itself need the GPU."""
+    dqk, dv = widths
+    cu = np.array([0, 5, 150, 150, 151], np.int32)
+    tq = 156
+    schedule = jax.tree.map(jnp.asarray, prefill.schedule_query_tiles(cu, tq, mosaic.BLOCK_Q))
+    q = jax.ShapeDtypeStruct((tq, 4, dqk), BF16)
+    v = jax.ShapeDtypeStruct((tq, 4, dv), BF16)
+    f = jax.jit(
+        lambda q, k, v, cu, schedule: mosaic._flash_prefill(
+            q, k, v, cu, cu, schedule, scale=SCALE, causal=causal, config=config, interpret=False
+        )
+    )
+    lowered = f.trace(q, q, v, jnp.asarray(cu), schedule).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_other_inputs_run_the_triton_kernel(rng, caplog):
     """float32, widths that are no multiple of 64 and tiles of other heights fall back to
     the Triton kernel, each reason logged once."""
