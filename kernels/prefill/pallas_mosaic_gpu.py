@@ -6,7 +6,8 @@ query tiles). A program owns one 128-row query tile of the schedule (rows of one
 and one head, on three warpgroups:
 
 * two consumer warpgroups each own 64 query rows (one wgmma M tile): their queries are
-  copied once into shared memory by TMA, then per block of ``block_k`` keys
+  copied once into (swizzled) shared memory through registers, then per block of
+  ``block_k`` keys
   ``S = Q K^T`` (a wgmma over the whole q/k width, 192 = three 64-column swizzled tiles),
   the online softmax in float32 (log2 domain, ``exp2`` with the folded scale) and
   ``acc = acc * alpha + P V`` (a wgmma with the bf16 probabilities in registers, or
@@ -19,15 +20,22 @@ Causal blocks that no row of the tile sees are not visited; the blocks that ever
 whole run without a mask; the others (the diagonal, a sequence's last partial block) are
 masked per row and column.
 
-TMA copies fixed boxes, so every box is kept inside its array instead of being masked: a
-query tile's 128-row window starts at ``min(tile_start, Tq - 128)`` and a key block's at
-``min(block_start, Tk - block_k)`` (arrays shorter than a box are zero-padded first). Rows
-of a window outside the tile are computed and never stored; keys of a window outside the
-block's range are masked in the scores and their value rows zeroed in shared memory before
-``P V`` reads them (``0 x NaN`` would not be 0), so nothing past a sequence leaks in. The
-output leaves through shared memory by TMA stores of the tile's rows only, as a ladder of
-power-of-two row counts (64, 32, ..., 1), which writes no row of another tile; the LSE goes
-to a per-tile buffer ``[tiles, N, 128]`` gathered into ``[Tq, N]`` afterwards.
+Boxes are fixed-size, so every box is kept inside its array instead of being masked: a
+query tile's 128-row window starts at ``min(tile_start, Tq - 128)``; key blocks start on
+multiples of 8 from the sequence's first key rounded down (a TMA box into 8-row swizzled
+tiles must provably start on a multiple of 8, so ragged sequences cannot start their blocks
+on their first key; the queries, loaded once, go through registers instead), and a block
+that would run past the end of k is read from ``Tk - block_k`` (arrays shorter than a box,
+and k not a multiple of 8 rows, are zero-padded first). Rows of a window outside the tile
+are computed and never stored; keys of a box outside the block's range (the previous
+sequence's, the previous block's, those past the causal or sequence end) are masked in the
+scores and their value rows zeroed in shared memory before ``P V`` reads them
+(``0 x NaN`` would not be 0), so nothing past a sequence leaks in. The output leaves
+through shared memory by TMA stores of the tile's rows only, as a ladder of power-of-two
+row counts (64, 32, ..., 1), which writes no row of another tile; the LSE goes to a
+per-tile buffer ``[tiles, N, 128]`` gathered into ``[Tq, N]`` afterwards.
+
+Design notes, shared memory, registers and what is unmeasured: ``MOSAIC_GPU.md`` here.
 
 Runs bf16 with q/k widths a multiple of 64 up to 256 and v 64 or 128 on sm90 (jax 0.11),
 tiles of 128 rows; ``flash_prefill`` hands anything else to the Triton kernel (logged once
