@@ -76,6 +76,9 @@ class MosaicPrefillConfig:
     p_in_registers: ``P V`` takes the probabilities from registers (FlashAttention-3's
       register operand); off, they are staged in shared memory first (as the decode
       kernel does). Interpret mode always stages them (its wgmma reads refs only).
+    producer_warpgroup: a third warpgroup issues the key/value copies (FA3); off, consumer
+      0 issues them as both consumers release a slot (256 threads: ptxas may give a
+      consumer up to 255 registers, where 384 threads cap every role at 168).
     approx_math: exp2, log and reciprocals through the special-function unit.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory access
       (off: the kernel orders its stores itself, through mbarriers and commit_smem).
@@ -84,6 +87,7 @@ class MosaicPrefillConfig:
     block_k: int = 64
     num_stages: int = 3
     p_in_registers: bool = True
+    producer_warpgroup: bool = True
     approx_math: bool = True
     auto_barriers: bool = False
 
@@ -299,6 +303,7 @@ def _prefill_call(
             causal=causal,
             block_k=bk,
             num_stages=stages,
+            producer_warpgroup=config.producer_warpgroup,
             interpret=interpret,
         ),
         out_type=(
@@ -308,7 +313,7 @@ def _prefill_call(
         scratch_types=scratch,
         grid=(tiles, n),
         grid_names=("t", "h"),
-        num_threads=NUM_CONSUMERS + 1,
+        num_threads=NUM_CONSUMERS + int(config.producer_warpgroup),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=config.approx_math,
@@ -353,6 +358,7 @@ def _kernel(
     causal,
     block_k,
     num_stages,
+    producer_warpgroup,
     interpret,
 ):
     """One query tile x one head on three warpgroups (two consumers, one producer); the
@@ -399,41 +405,55 @@ def _kernel(
     def slot_of(j):
         return lax.rem(j, jnp.int32(num_stages))
 
-    def producer():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+    def load(j, *, wait_free):
+        """Copies key and value block ``j`` into its slot (first waiting for the consumers
+        to release the slot's previous block, where ``wait_free``)."""
+        slot = slot_of(j)
+        _, start = block_window(j)
+        rows = pl.ds(start, block_k)
 
-        def load(j, carry):
-            slot = slot_of(j)
-            _, start = block_window(j)
-            rows = pl.ds(start, block_k)
+        @pl.when(wait_free)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
 
-            @pl.when(j >= num_stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_ready.at[slot])
 
-            plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_ready.at[slot])
+        @pl.when(wait_free)
+        def _():
+            plgpu.barrier_wait(v_free.at[slot])
 
-            @pl.when(j >= num_stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_ready.at[slot])
 
-            plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_ready.at[slot])
-            return carry
+    def drain():
+        """Observes the consumers' last releases: every mbarrier phase is waited for."""
 
-        lax.fori_loop(0, num_blocks, load, 0)
-
-        # Observe the consumers' last releases: every mbarrier phase is waited for.
-        def drain(j, carry):
+        def body(j, carry):
             plgpu.barrier_wait(k_free.at[slot_of(j)])
             plgpu.barrier_wait(v_free.at[slot_of(j)])
             return carry
 
-        lax.fori_loop(jnp.maximum(num_blocks - num_stages, 0), num_blocks, drain, 0)
+        lax.fori_loop(jnp.maximum(num_blocks - num_stages, 0), num_blocks, body, 0)
+
+    def producer():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def body(j, carry):
+            load(j, wait_free=j >= num_stages)
+            return carry
+
+        lax.fori_loop(0, num_blocks, body, 0)
+        drain()
 
     def consumer(w):
-        if not interpret:
+        # Without a producer warpgroup, consumer 0 issues the copies: the first stages
+        # up front, then each slot's next block once both consumers released it.
+        issues_copies = w == 0 and not producer_warpgroup
+        if producer_warpgroup and not interpret:
             plgpu.set_max_registers(232, action="increase")
+        if issues_copies:
+            for i in range(num_stages):
+                pl.when(i < num_blocks)(functools.partial(load, i, wait_free=False))
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         log2_scale = scale * math.log2(math.e)
@@ -518,6 +538,9 @@ def _kernel(
                 a = p_smem.at[w]
             acc = accumulate(acc, alpha, a, v_smem.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
+            if issues_copies:
+                refill = j + num_stages
+                pl.when(refill < num_blocks)(functools.partial(load, refill, wait_free=True))
             return acc, m_new, l
 
         acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, dv), jnp.float32), wgmma_layout)
@@ -527,6 +550,8 @@ def _kernel(
         state = lax.fori_loop(0, head, masked, (acc, m, l))
         state = lax.fori_loop(head, clear_end, functools.partial(step, masked=False), state)
         acc, m, l = lax.fori_loop(clear_end, num_blocks, masked, state)
+        if issues_copies:
+            drain()
 
         nonempty = l > 0
         l_safe = jnp.where(nonempty, l, 1.0)
@@ -558,4 +583,5 @@ def _kernel(
 
     for w in range(NUM_CONSUMERS):
         pl.when(wg == w)(functools.partial(consumer, w))
-    pl.when(wg == NUM_CONSUMERS)(producer)
+    if producer_warpgroup:
+        pl.when(wg == NUM_CONSUMERS)(producer)

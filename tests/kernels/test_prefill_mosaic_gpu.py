@@ -96,6 +96,14 @@ def test_device_side_schedule(rng):
     _run(rng, [33, 1, 140], [33, 1, 140], causal=True, dqk=64, dv=64, host=False)
 
 
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_consumers_issue_the_copies(rng, num_stages):
+    """No producer warpgroup: consumer 0 issues the first stages, then refills each slot
+    once both consumers released it (more blocks than stages, and fewer)."""
+    config = mosaic.MosaicPrefillConfig(producer_warpgroup=False, num_stages=num_stages)
+    _run(rng, [150, 2], [300, 70], causal=True, n=2, dqk=64, dv=64, config=config)
+
+
 def test_block_k_128(rng):
     """128-key blocks in two stages (the diagonal block masked in both halves)."""
     config = mosaic.MosaicPrefillConfig(block_k=128, num_stages=2, p_in_registers=False)
@@ -109,8 +117,9 @@ def test_block_k_128(rng):
         (mosaic.MosaicPrefillConfig(), False, (192, 128)),
         (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
         (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
+        (mosaic.MosaicPrefillConfig(producer_warpgroup=False), True, (192, 128)),
     ],
-    ids=["default", "full", "p_staged_auto_barriers", "block_k_128"],
+    ids=["default", "full", "p_staged_auto_barriers", "block_k_128", "no_producer"],
 )
 def test_lowers_for_sm90(config, causal, widths):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
@@ -167,6 +176,7 @@ GPU_CONFIGS = [
     mosaic.MosaicPrefillConfig(p_in_registers=False),
     mosaic.MosaicPrefillConfig(num_stages=2),
     mosaic.MosaicPrefillConfig(auto_barriers=True),
+    mosaic.MosaicPrefillConfig(producer_warpgroup=False),
 ]
 
 
@@ -175,8 +185,8 @@ GPU_CONFIGS = [
 def test_deepseek_widths_compiled(rng, causal):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
     boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
-    default, P staged in shared memory, two stages, Pallas' own barriers), with the host's
-    schedule and the device's."""
+    default, P staged in shared memory, two stages, Pallas' own barriers, no producer
+    warpgroup), with the host's schedule and the device's."""
     lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
     extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
     lk = [a + b for a, b in zip(lq, extra, strict=True)]
