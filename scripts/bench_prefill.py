@@ -356,6 +356,7 @@ MOSAIC_SWEEP = [
     dict(block_k=64, num_stages=3, p_in_registers=False),
     dict(block_k=64, num_stages=3, auto_barriers=True),
     dict(block_k=64, num_stages=3, producer_warpgroup=False),
+    dict(block_k=64, num_stages=3, schedule_barrier=True),
 ]
 
 

@@ -79,6 +79,8 @@ class MosaicPrefillConfig:
     producer_warpgroup: a third warpgroup issues the key/value copies (FA3); off, consumer
       0 issues them as both consumers release a slot (256 threads: ptxas may give a
       consumer up to 255 registers, where 384 threads cap every role at 168).
+    schedule_barrier: FA3's ping-pong, an mbarrier through which the consumers take
+      turns: one's softmax runs while the other's matmuls do (with a producer only).
     approx_math: exp2, log and reciprocals through the special-function unit.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory access
       (off: the kernel orders its stores itself, through mbarriers and commit_smem).
@@ -88,6 +90,7 @@ class MosaicPrefillConfig:
     num_stages: int = 3
     p_in_registers: bool = True
     producer_warpgroup: bool = True
+    schedule_barrier: bool = False
     approx_math: bool = True
     auto_barriers: bool = False
 
@@ -96,6 +99,10 @@ class MosaicPrefillConfig:
             raise ValueError(f"block_k must be 64 or 128, got {self.block_k}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+        if self.schedule_barrier and not self.producer_warpgroup:
+            # Consumer 0 would wait for consumer 1's release of a block that consumer 1
+            # finishes only after consumer 0's next turn.
+            raise ValueError("schedule_barrier needs producer_warpgroup")
 
 
 def smem_bytes(dqk: int, dv: int, config: MosaicPrefillConfig, *, stage_p: bool) -> int:
@@ -294,6 +301,8 @@ def _prefill_call(
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     )
+    if config.schedule_barrier:
+        scratch["turns"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
     if stage_p:
         scratch["p_smem"] = plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, bk), bf16, transforms=swizzled)
     kernel = plgpu.kernel(
@@ -354,6 +363,7 @@ def _kernel(
     k_free,
     v_free,
     p_smem=None,
+    turns=None,
     scale,
     causal,
     block_k,
@@ -467,10 +477,18 @@ def _kernel(
             )
         plgpu.commit_smem()
 
+        def take_turns():
+            """FA3's ping-pong: the consumers' matmuls alternate with their softmaxes (both
+            pass the same number of these points; consumer 1 starts one ahead)."""
+            if turns is not None:
+                plgpu.barrier_arrive(turns)
+                plgpu.barrier_wait(turns)
+
         def scores(slot):
             def scope(s_ref):
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.wgmma(s_ref, q_smem.at[w], k_smem.at[slot].T)
+                take_turns()
                 return s_ref[...]
 
             return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
@@ -527,6 +545,8 @@ def _kernel(
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = jnp.exp2(m - m_new)
             l = l * alpha + p.sum(axis=1)
+            if turns is not None:
+                plgpu.barrier_arrive(turns)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
             if masked:
                 zero_stray_values(slot, first, start)
@@ -536,6 +556,8 @@ def _kernel(
                 p_smem[w] = p.astype(jnp.bfloat16)
                 plgpu.commit_smem()
                 a = p_smem.at[w]
+            if turns is not None:
+                plgpu.barrier_wait(turns)  # the other consumer's matmuls are issued
             acc = accumulate(acc, alpha, a, v_smem.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             if issues_copies:
@@ -546,10 +568,14 @@ def _kernel(
         acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, dv), jnp.float32), wgmma_layout)
         m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row_layout)
+        if w == 1:
+            take_turns()
         masked = functools.partial(step, masked=True)
         state = lax.fori_loop(0, head, masked, (acc, m, l))
         state = lax.fori_loop(head, clear_end, functools.partial(step, masked=False), state)
         acc, m, l = lax.fori_loop(clear_end, num_blocks, masked, state)
+        if w == 0:
+            take_turns()
         if issues_copies:
             drain()
 

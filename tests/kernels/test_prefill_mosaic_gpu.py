@@ -104,6 +104,13 @@ def test_consumers_issue_the_copies(rng, num_stages):
     _run(rng, [150, 2], [300, 70], causal=True, n=2, dqk=64, dv=64, config=config)
 
 
+def test_consumers_take_turns(rng):
+    """FA3's ping-pong between the consumers (an mbarrier both pass as often): a tile with
+    blocks, one without (no deadlock either way)."""
+    config = mosaic.MosaicPrefillConfig(schedule_barrier=True)
+    _run(rng, [150, 3], [200, 0], causal=True, n=2, dqk=64, dv=64, config=config)
+
+
 def test_block_k_128(rng):
     """128-key blocks in two stages (the diagonal block masked in both halves)."""
     config = mosaic.MosaicPrefillConfig(block_k=128, num_stages=2, p_in_registers=False)
@@ -118,8 +125,16 @@ def test_block_k_128(rng):
         (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
         (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
         (mosaic.MosaicPrefillConfig(producer_warpgroup=False), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(schedule_barrier=True), False, (192, 128)),
     ],
-    ids=["default", "full", "p_staged_auto_barriers", "block_k_128", "no_producer"],
+    ids=[
+        "default",
+        "full",
+        "p_staged_auto_barriers",
+        "block_k_128",
+        "no_producer",
+        "turns",
+    ],
 )
 def test_lowers_for_sm90(config, causal, widths):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
@@ -169,6 +184,8 @@ def test_bad_inputs_are_refused_like_triton():
         mosaic.flash_prefill(q, q, q, jnp.array([0, 30], jnp.int32), cu, scale=1.0, causal=True)
     with pytest.raises(ValueError, match="block_k"):
         mosaic.MosaicPrefillConfig(block_k=32)
+    with pytest.raises(ValueError, match="needs producer_warpgroup"):
+        mosaic.MosaicPrefillConfig(schedule_barrier=True, producer_warpgroup=False)
 
 
 GPU_CONFIGS = [
@@ -177,6 +194,7 @@ GPU_CONFIGS = [
     mosaic.MosaicPrefillConfig(num_stages=2),
     mosaic.MosaicPrefillConfig(auto_barriers=True),
     mosaic.MosaicPrefillConfig(producer_warpgroup=False),
+    mosaic.MosaicPrefillConfig(schedule_barrier=True),
 ]
 
 
@@ -186,7 +204,7 @@ def test_deepseek_widths_compiled(rng, causal):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
     boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
     default, P staged in shared memory, two stages, Pallas' own barriers, no producer
-    warpgroup), with the host's schedule and the device's."""
+    warpgroup, the consumers' ping-pong), with the host's schedule and the device's."""
     lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
     extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
     lk = [a + b for a, b in zip(lq, extra, strict=True)]
