@@ -372,7 +372,7 @@ def _sweep_trial(n, variant, sizes: Sizes, kernel=_pallas):
 
 
 def main():
-    args = parse_args(parser(__doc__, sweeps=("all",)))
+    args = parse_args(parser(__doc__, sweeps=("all", "mosaic")))
     sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
     trials = [
