@@ -1,18 +1,21 @@
-"""Prefill: the Pallas ragged flash attention against cuDNN and XLA, the chunked-context path
-at two workspace sizes, and the LSE merge, on the GPU.
+"""Prefill: the Pallas ragged flash attention (Triton and Mosaic GPU lowerings) against cuDNN,
+XLA and, where installed, tokamax's Mosaic GPU attention; the chunked-context path at two
+workspace sizes, and the LSE merge, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_prefill.py [--out DIR] [--sweep] [--smoke]
+    PYTHONPATH=. python scripts/bench_prefill.py [--out DIR] [--sweep all|mosaic] [--smoke]
 
 bf16, q/k 192 = 128 + 64, v 128 (cuDNN needs v padded to 192). TFLOP/s counts the useful
 work: 2 x causal pairs x N x (192 + 128). Times are median device microseconds (warm,
 CUPTI kernel time). ``--smoke``: the same tables at tiny shapes on the CPU (XLA in cuDNN's
-place), results under --out only.
+place, the Mosaic GPU kernel interpreted where jax has its interpret mode, >= 0.11),
+results under --out only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from flax import nnx
 from mla_jax.cache.metadata import build_metadata
 from mla_jax.checkpoint.tiny import TINY
 from mla_jax.kernels import KernelPlan, merge, prefill
+from mla_jax.kernels.prefill import pallas_mosaic_gpu
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import MLAConfig, preset
 
@@ -78,8 +82,8 @@ FULL = Sizes(
     sweep_tokens=4096,
 )
 SMOKE = Sizes(
-    qk_dim=24,
-    v_dim=16,
+    qk_dim=64,  # the Mosaic GPU kernel's smallest widths
+    v_dim=64,
     heads=(4,),
     single=(),
     ragged=(3, 8, 24, 72),
@@ -119,6 +123,65 @@ def _pallas(lens, n, sizes: Sizes, variant=None):
     return lambda q, k, v: f(q, k, v, cu, schedule)
 
 
+def _mosaic(lens, n, sizes: Sizes, variant=None):
+    """The Mosaic GPU kernel as ``_pallas`` runs the Triton one, or None (with the reason
+    printed) where it cannot run these shapes (it would fall back to Triton)."""
+    config = pallas_mosaic_gpu.MosaicPrefillConfig(**(variant or {}))
+    probe = jax.ShapeDtypeStruct((1, n, sizes.qk_dim), jnp.bfloat16)
+    probe_v = jax.ShapeDtypeStruct((1, n, sizes.v_dim), jnp.bfloat16)
+    reason = pallas_mosaic_gpu.unsupported(probe, probe, probe_v, config)
+    if reason is not None:
+        print(f"Mosaic GPU prefill skipped: it does not run {reason}", flush=True)
+        return None
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    schedule = prefill.schedule_query_tiles(cu, int(cu[-1]), pallas_mosaic_gpu.BLOCK_Q)
+    schedule, cu = jax.device_put(schedule), jnp.asarray(cu)
+
+    def f(q, k, v, cu, schedule):
+        return pallas_mosaic_gpu.flash_prefill(
+            q, k, v, cu, cu, scale=sizes.scale, causal=True, schedule=schedule, config=config
+        )
+
+    if jax.default_backend() == "gpu":
+        f = jax.jit(f)  # offsets and schedule as arguments, as in the model
+    # else interpreted, called eagerly: Mosaic GPU's interpreter can deadlock under an outer
+    # jit with the schedule as an argument (kernels/decode/MOSAIC_GPU.md).
+    return lambda q, k, v: f(q, k, v, cu, schedule)
+
+
+def _tokamax(sizes: Sizes):
+    """tokamax's Mosaic GPU attention on the padded batch (an optional peer: None where
+    tokamax is not installed or off a GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        tokamax = importlib.import_module("tokamax")
+    except ImportError:
+        print("tokamax not installed: its Mosaic GPU attention is skipped", flush=True)
+        return None
+
+    def f(q, k, v, lens):
+        return tokamax.dot_product_attention(
+            q,
+            k,
+            v[..., : sizes.v_dim],
+            scale=sizes.scale,
+            is_causal=True,
+            query_seq_lengths=lens,
+            key_value_seq_lengths=lens,
+            implementation="mosaic",
+        )
+
+    return jax.jit(f)
+
+
+def _rel_err(out, want) -> float:
+    return float(
+        jnp.linalg.norm((out - want).astype(jnp.float32))
+        / jnp.linalg.norm(want.astype(jnp.float32))
+    )
+
+
 def _padded(lens, q, k, v):
     """cuDNN / XLA take a padded batch ``[S, max_len, N, D]`` plus per-sequence lengths (and
     v as wide as q and k, as cuDNN needs)."""
@@ -149,6 +212,7 @@ def _dpa(implementation, sizes: Sizes):
 def causal_rows(rng, sizes: Sizes):
     rows = []
     baseline = _dpa(sizes.baseline, sizes)
+    tokamax = _tokamax(sizes)
     for n in sizes.heads:
         count, shortest, longest, total = sizes.ragged
         ragged = rng.integers(shortest, longest + 1, count)
@@ -161,20 +225,33 @@ def causal_rows(rng, sizes: Sizes):
             flops = 2 * float((lens * (lens + 1) // 2).sum()) * n * (sizes.qk_dim + sizes.v_dim)
             kernel = _pallas(lens, n, sizes)
             timings = {"pallas": time_us(kernel, [(q, k, v)])}
+            mosaic = _mosaic(lens, n, sizes)
+            if mosaic is not None:
+                timings["pallas_mosaic_gpu"] = time_us(mosaic, [(q, k, v)])
             padded = _padded(lens, q, k, v)
             timings[f"{sizes.baseline}_padded"] = time_us(baseline, [padded], reps=10)
+            if tokamax is not None:
+                try:
+                    timings["tokamax_mosaic_padded"] = time_us(tokamax, [padded], reps=10)
+                except Exception as e:  # noqa: BLE001 (an optional peer: report, go on)
+                    print(f"tokamax failed: {type(e).__name__}: {e}"[:300], flush=True)
             scores = len(lens) * int(lens.max()) ** 2 * n * 4
             if sizes.baseline != "xla" and scores < 8 * 2**30:
                 timings["xla_padded"] = time_us(_dpa("xla", sizes), [padded], reps=5)
             us, baseline_us = timings["pallas"].us, timings[f"{sizes.baseline}_padded"].us
             xla = timings.get("xla_padded")
-            out, _ = kernel(q, k, v)
             ref = baseline(*padded)[..., : sizes.v_dim]
             want = jnp.concatenate([ref[i, :m] for i, m in enumerate(lens)])
-            err = float(
-                jnp.linalg.norm((out - want).astype(jnp.float32))
-                / jnp.linalg.norm(want.astype(jnp.float32))
-            )
+            err = _rel_err(kernel(q, k, v)[0], want)
+            mosaic_us = timings.get("pallas_mosaic_gpu")
+            mosaic_cells = ["-", "-", "-"]
+            if mosaic_us is not None:
+                mosaic_cells = [
+                    round(mosaic_us.us, 1),
+                    round(flops / mosaic_us.us / 1e6, 1),
+                    f"{_rel_err(mosaic(q, k, v)[0], want):.1e}",
+                ]
+            tokamax_us = timings.get("tokamax_mosaic_padded")
             cells = [
                 label,
                 n,
@@ -185,6 +262,8 @@ def causal_rows(rng, sizes: Sizes):
                 "-" if xla is None else round(xla.us, 1),
                 f"{baseline_us / us:.2f}x",
                 f"{err:.1e}",
+                *mosaic_cells,
+                "-" if tokamax_us is None else round(tokamax_us.us, 1),
             ]
             print(cells, flush=True)
             rows.append(row(cells, **timings))
@@ -269,16 +348,31 @@ SWEEP = [
 ]
 
 
-def _sweep_trial(n, variant, sizes: Sizes):
+# The variants behind the MosaicPrefillConfig defaults (at 192 / 128 wide, 128-key blocks
+# need more than the 227 KB of shared memory: the kernel would not run them).
+MOSAIC_SWEEP = [
+    dict(block_k=64, num_stages=3),
+    dict(block_k=64, num_stages=2),
+    dict(block_k=64, num_stages=3, p_in_registers=False),
+    dict(block_k=64, num_stages=3, auto_barriers=True),
+    dict(block_k=64, num_stages=3, producer_warpgroup=False),
+    dict(block_k=64, num_stages=3, schedule_barrier=True),
+]
+
+
+def _sweep_trial(n, variant, sizes: Sizes, kernel=_pallas):
     t = sizes.sweep_tokens
     q, k, v = _qkv(jax.random.key(n), t, n, sizes)
-    timing = time_us(_pallas(np.array([t]), n, sizes, variant), [(q, k, v)], reps=10)
+    f = kernel(np.array([t]), n, sizes, variant)
+    if f is None:
+        return {"skipped": "the Mosaic GPU kernel does not run these shapes here"}
+    timing = time_us(f, [(q, k, v)], reps=10)
     tflops = 2 * t * (t + 1) / 2 * n * (sizes.qk_dim + sizes.v_dim) / timing.us / 1e6
     return {"us": timing.us, "TFLOP/s": tflops, "timing": timing}
 
 
 def main():
-    args = parse_args(parser(__doc__, sweeps=("all",)))
+    args = parse_args(parser(__doc__, sweeps=("all", "mosaic")))
     sizes = SMOKE if args.smoke else FULL
     rng = np.random.default_rng(0)
     trials = [
@@ -286,10 +380,18 @@ def main():
         for n in sizes.heads
         for v in SWEEP
     ]
+    mosaic_trials = [
+        ({"N": n}, v, lambda n=n, v=v: _sweep_trial(n, v, sizes, kernel=_mosaic))
+        for n in sizes.heads
+        for v in MOSAIC_SWEEP
+    ]
     run(
         args,
         lambda: tables(rng, sizes, args.out),
-        {"all": lambda: sweep("prefill", trials, args.out)},
+        {
+            "all": lambda: sweep("prefill", trials, args.out),
+            "mosaic": lambda: sweep("prefill_mosaic_gpu", mosaic_trials, args.out),
+        },
     )
 
 
@@ -300,7 +402,7 @@ def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
     heads = sizes.context_model.num_heads
     save(
         "prefill_causal",
-        "Causal prefill (Pallas ragged flash attention), bf16, "
+        "Causal prefill (Pallas ragged flash attention, Triton and Mosaic GPU), bf16, "
         f"q/k {sizes.qk_dim}, v {sizes.v_dim}",
         [
             "sequences",
@@ -312,6 +414,10 @@ def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
             "XLA us",
             f"{baseline} / ours",
             f"rel err vs {baseline}",
+            "Mosaic GPU us",
+            "Mosaic GPU TFLOP/s",
+            f"Mosaic GPU rel err vs {baseline}",
+            "tokamax (Mosaic GPU) us",
         ],
         causal_rows(rng, sizes),
         [
@@ -322,6 +428,11 @@ def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
             "skipped ('-') where its score matrix exceeds 8 GiB.",
             "TFLOP/s over the useful FLOPs: 2 x causal pairs x N x "
             f"({sizes.qk_dim} + {sizes.v_dim}).",
+            "us, TFLOP/s and ours: the Pallas kernel through Triton; Mosaic GPU: the same "
+            "contract through Mosaic GPU (kernels/prefill/pallas_mosaic_gpu.py, sm90, 128-row "
+            "tiles of the same host schedule; '-' where it cannot run). tokamax: "
+            "tokamax.dot_product_attention(implementation='mosaic') on the padded batch, "
+            "where tokamax is installed ('-' otherwise).",
         ],
         out_dir=out_dir,
     )

@@ -38,6 +38,18 @@ def ragged_mask(cu_q, cu_k, tq, tk, causal):
     return mask
 
 
+def ragged_attention(q, k, v, cu_q, cu_k, causal, scale):
+    """``attention`` with ``ragged_mask``, computed sequence by sequence (the same result
+    without the dense ``[Tq, Tk]`` scores): rows past ``cu_q[-1]`` get 0 and -inf."""
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    lse = np.full(q.shape[:2], -np.inf)
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        mask = ragged_mask([0, q1 - q0], [0, k1 - k0], q1 - q0, k1 - k0, causal)
+        out[q0:q1], lse[q0:q1] = attention(q[q0:q1], k[k0:k1], v[k0:k1], mask, scale)
+    return out, lse
+
+
 def rms_norm(x, w, eps):
     x = np.asarray(x, np.float64)
     return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)

@@ -25,15 +25,48 @@ def _cast(a, dtype):
     return np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
 
 
-def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=True, block_q=16):
+def _inputs(rng, lq, lk, *, n, dqk, dv, dtype, poison=False):
+    """Packed ``q, k, v`` (float32 arrays holding ``dtype`` values) of sequences ``lq``
+    (queries) and ``lk`` (keys) with trailing padding rows, and their offsets; ``poison``:
+    the padding rows hold NaN (a kernel must not let them leak)."""
     cu_q = np.cumsum([0, *lq]).astype(np.int32)
     cu_k = np.cumsum([0, *lk]).astype(np.int32)
     tq, tk = int(cu_q[-1]) + 5, int(cu_k[-1]) + 3  # trailing padding rows
     q = _cast(rng.standard_normal((tq, n, dqk)), dtype)
     k = _cast(rng.standard_normal((tk, n, dqk)), dtype)
     v = _cast(rng.standard_normal((tk, n, dv)), dtype)
-    schedule = prefill.schedule_query_tiles(cu_q, tq, block_q) if host else None
-    out, lse = prefill.flash_prefill(
+    if poison:
+        q, k, v = q.copy(), k.copy(), v.copy()
+        q[cu_q[-1] :], k[cu_k[-1] :], v[cu_k[-1] :] = np.nan, np.nan, np.nan
+    return q, k, v, cu_q, cu_k
+
+
+def _expected(q, k, v, cu_q, cu_k, *, causal, scale):
+    """Float64 ``(out, lse)`` of the ragged batch (padding rows: 0 and -inf)."""
+    return ref.ragged_attention(q, k, v, cu_q, cu_k, causal, scale)
+
+
+def _check(got, q, k, v, cu_q, cu_k, *, causal, scale, tol, want=None):
+    """``got = (out, lse)`` against float64 attention (``want``, or ``_expected``): out
+    within ``tol[0]`` relative, lse within ``tol[1]`` absolute, -inf exactly where a row has
+    no key (and out 0 there)."""
+    if want is None:
+        want = _expected(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
+    want, want_lse = want
+    out, lse = np.asarray(jnp.asarray(got[0], jnp.float32)), np.asarray(got[1])
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    out_tol, lse_tol = tol
+    assert rel_err(out, want) < out_tol
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    live = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[live], want_lse[live], rtol=0, atol=lse_tol)
+    assert (out[~live.any(1)] == 0).all()
+
+
+def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=True, block_q=16):
+    q, k, v, cu_q, cu_k = _inputs(rng, lq, lk, n=n, dqk=dqk, dv=dv, dtype=dtype)
+    schedule = prefill.schedule_query_tiles(cu_q, q.shape[0], block_q) if host else None
+    got = prefill.flash_prefill(
         *(jnp.asarray(a, dtype) for a in (q, k, v)),
         jnp.asarray(cu_q),
         jnp.asarray(cu_k),
@@ -42,15 +75,7 @@ def _run(rng, lq, lk, *, causal, n=16, dqk=48, dv=16, dtype=jnp.float32, host=Tr
         schedule=schedule,
         config=prefill.PrefillConfig(block_q=block_q, block_k=16),
     )
-    want, want_lse = ref.attention(q, k, v, ref.ragged_mask(cu_q, cu_k, tq, tk, causal), 0.15)
-    out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
-    out_tol, lse_tol = TOL[dtype]
-    assert rel_err(out, want) < out_tol
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    live = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[live], want_lse[live], rtol=0, atol=lse_tol)
-    assert (out[~live.any(1)] == 0).all()
+    _check(got, q, k, v, cu_q, cu_k, causal=causal, scale=0.15, tol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

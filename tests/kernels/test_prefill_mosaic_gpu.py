@@ -1,0 +1,222 @@
+"""The Mosaic GPU prefill kernel (``kernels/prefill/pallas_mosaic_gpu.py``) against float64
+NumPy attention (``test_prefill_kernel``'s inputs and checks), with the padding rows past the
+last sequence in q, k and v poisoned with NaN: a kernel that lets a stray row into a product
+fails.
+
+On the CPU the kernel runs in Mosaic GPU's interpret mode (jax >= 0.11), which simulates its
+warpgroups, TMA copies, mbarriers and wgmmas, starts every output as NaN (an output row the
+kernel does not write fails) and fails a kernel that leaves an mbarrier phase unobserved.
+Two things differ there: the rescaled accumulation adds ``P V`` after a zero-started wgmma
+(interpret mode cannot load a value into an accumulator), and ``P`` always goes through
+shared memory (its wgmma reads refs only); the compiled paths are covered by the tests
+marked ``gpu``. The kernel is called eagerly (it jits itself): under an outer jit with the
+schedule as an argument the interpreter's warpgroup threads can deadlock on a small machine
+(see kernels/decode/MOSAIC_GPU.md).
+
+Tolerances: out 3e-3 relative, lse 1e-5 absolute (the project's bf16 lse bound: compiled,
+exp2 and log are approximate). Measured against float64 (interpret mode, CPU, 2026-11-25,
+6 seeds x the five interpreted cases): out <= 2.3e-3 (bf16 probabilities and output) and
+lse <= 5.1e-7.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_prefill_kernel as prefill_tests
+
+from mla_jax.kernels import prefill
+from mla_jax.kernels.prefill import pallas_mosaic_gpu as mosaic
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
+    pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11", allow_module_level=True)
+
+BF16 = jnp.bfloat16
+TOL = (3e-3, 1e-5)
+SCALE = 192**-0.5
+
+
+def _inputs(rng, lq, lk, *, n, dqk=192, dv=128):
+    return prefill_tests._inputs(rng, lq, lk, n=n, dqk=dqk, dv=dv, dtype=BF16, poison=True)
+
+
+def _check(inputs, *, causal, host=True, config=None, want=None):
+    """Runs the kernel on ``inputs`` (``_inputs``) and checks it against float64 (``want``,
+    or computed here)."""
+    q, k, v, cu_q, cu_k = inputs
+    schedule = prefill.schedule_query_tiles(cu_q, q.shape[0], mosaic.BLOCK_Q) if host else None
+    args = [jnp.asarray(a, BF16) for a in (q, k, v)]
+    assert mosaic.unsupported(*args, config) is None  # no silent fallback to Triton
+    got = mosaic.flash_prefill(
+        *args,
+        jnp.asarray(cu_q),
+        jnp.asarray(cu_k),
+        scale=SCALE,
+        causal=causal,
+        schedule=schedule,
+        config=config,
+    )
+    assert got[0].dtype == BF16 and got[0].shape == (q.shape[0], q.shape[1], v.shape[-1])
+    assert got[1].shape == q.shape[:2]
+    prefill_tests._check(got, q, k, v, cu_q, cu_k, causal=causal, scale=SCALE, tol=TOL, want=want)
+
+
+def _run(rng, lq, lk, *, causal, n=1, dqk=192, dv=128, host=True, config=None):
+    _check(_inputs(rng, lq, lk, n=n, dqk=dqk, dv=dv), causal=causal, host=host, config=config)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_batch(rng, causal):
+    """DeepSeek's widths (192 = three swizzled 64-column tiles, v 128), three heads: one
+    key, a sequence of several tiles whose last is partial, an empty sequence, and queries
+    on top of longer key runs (context)."""
+    _run(rng, [5, 150, 0, 1], [9, 150, 3, 1], causal=causal, n=3)
+
+
+def test_context_longer_than_queries(rng):
+    """Few queries on long key runs: whole blocks unmasked, then the diagonal; key boxes of
+    the last sequence moved back inside k (its keys end near the poisoned rows)."""
+    _run(rng, [3, 130], [300, 200], causal=True, dqk=64, dv=64)
+
+
+def test_rows_without_keys(rng):
+    """Causal with fewer keys than queries: the first rows of a sequence see no key (out 0,
+    lse -inf), a tile of them visits no block."""
+    _run(rng, [130, 7], [70, 7], causal=True, n=2, dqk=64, dv=64)
+
+
+def test_device_side_schedule(rng):
+    """No host schedule: 128-row tiles planned on the device up to a static bound (empty
+    tiles past the real ones do nothing)."""
+    _run(rng, [33, 1, 140], [33, 1, 140], causal=True, dqk=64, dv=64, host=False)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_consumers_issue_the_copies(rng, num_stages):
+    """No producer warpgroup: consumer 0 issues the first stages, then refills each slot
+    once both consumers released it (more blocks than stages, and fewer)."""
+    config = mosaic.MosaicPrefillConfig(producer_warpgroup=False, num_stages=num_stages)
+    _run(rng, [150, 2], [300, 70], causal=True, n=2, dqk=64, dv=64, config=config)
+
+
+def test_consumers_take_turns(rng):
+    """FA3's ping-pong between the consumers (an mbarrier both pass as often): a tile with
+    blocks, one without (no deadlock either way)."""
+    config = mosaic.MosaicPrefillConfig(schedule_barrier=True)
+    _run(rng, [150, 3], [200, 0], causal=True, n=2, dqk=64, dv=64, config=config)
+
+
+def test_block_k_128(rng):
+    """128-key blocks in two stages (the diagonal block masked in both halves)."""
+    config = mosaic.MosaicPrefillConfig(block_k=128, num_stages=2, p_in_registers=False)
+    _run(rng, [200, 20], [260, 20], causal=True, dqk=128, dv=64, config=config)
+
+
+@pytest.mark.parametrize(
+    "config,causal,widths",
+    [
+        (mosaic.MosaicPrefillConfig(), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(), False, (192, 128)),
+        (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
+        (mosaic.MosaicPrefillConfig(producer_warpgroup=False), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(schedule_barrier=True), False, (192, 128)),
+    ],
+    ids=[
+        "default",
+        "full",
+        "p_staged_auto_barriers",
+        "block_k_128",
+        "no_producer",
+        "turns",
+    ],
+)
+def test_lowers_for_sm90(config, causal, widths):
+    """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
+    sm90 off a GPU): layout inference, TMA alignment and shared memory are checked there;
+    only ptxas and the run itself need the GPU."""
+    dqk, dv = widths
+    cu = np.array([0, 5, 150, 150, 151], np.int32)
+    tq = 156
+    schedule = jax.tree.map(jnp.asarray, prefill.schedule_query_tiles(cu, tq, mosaic.BLOCK_Q))
+    q = jax.ShapeDtypeStruct((tq, 4, dqk), BF16)
+    v = jax.ShapeDtypeStruct((tq, 4, dv), BF16)
+    f = jax.jit(
+        lambda q, k, v, cu, schedule: mosaic._flash_prefill(
+            q, k, v, cu, cu, schedule, scale=SCALE, causal=causal, config=config, interpret=False
+        )
+    )
+    lowered = f.trace(q, q, v, jnp.asarray(cu), schedule).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_other_inputs_run_the_triton_kernel(rng, caplog):
+    """float32, widths that are no multiple of 64 and tiles of other heights fall back to
+    the Triton kernel, each reason logged once."""
+    cu = jnp.array([0, 20], jnp.int32)
+    args = [jnp.asarray(rng.standard_normal((20, 2, d)), jnp.float32) for d in (48, 48, 16)]
+    with caplog.at_level(logging.WARNING, logger=mosaic.__name__):
+        for _ in range(2):
+            got = mosaic.flash_prefill(*args, cu, cu, scale=0.2, causal=True)
+    want = prefill.flash_prefill(*args, cu, cu, scale=0.2, causal=True)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert sum("dtype float32" in r.message for r in caplog.records) == 1
+    assert mosaic.unsupported(*(a.astype(BF16) for a in args)) is not None
+    q = jnp.zeros((20, 2, 64), BF16)
+    assert mosaic.unsupported(q, q, q) is None
+    schedule = prefill.schedule_query_tiles(np.array([0, 20], np.int32), 20, 16)
+    with caplog.at_level(logging.WARNING, logger=mosaic.__name__):
+        mosaic.flash_prefill(q, q, q, cu, cu, scale=0.2, causal=True, schedule=schedule)
+    assert any("tiles of 16 rows" in r.message for r in caplog.records)
+
+
+def test_bad_inputs_are_refused_like_triton():
+    q = jnp.zeros((10, 2, 64), BF16)
+    cu = jnp.array([0, 10], jnp.int32)
+    with pytest.raises(ValueError, match="int32"):
+        mosaic.flash_prefill(q, q, q, cu.astype(jnp.float32), cu, scale=1.0, causal=True)
+    with pytest.raises(ValueError, match="at most 10"):
+        mosaic.flash_prefill(q, q, q, jnp.array([0, 30], jnp.int32), cu, scale=1.0, causal=True)
+    with pytest.raises(ValueError, match="block_k"):
+        mosaic.MosaicPrefillConfig(block_k=32)
+    with pytest.raises(ValueError, match="needs producer_warpgroup"):
+        mosaic.MosaicPrefillConfig(schedule_barrier=True, producer_warpgroup=False)
+
+
+GPU_CONFIGS = [
+    mosaic.MosaicPrefillConfig(),
+    mosaic.MosaicPrefillConfig(p_in_registers=False),
+    mosaic.MosaicPrefillConfig(num_stages=2),
+    mosaic.MosaicPrefillConfig(auto_barriers=True),
+    mosaic.MosaicPrefillConfig(producer_warpgroup=False),
+    mosaic.MosaicPrefillConfig(schedule_barrier=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_deepseek_widths_compiled(rng, causal):
+    """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
+    boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
+    default, P staged in shared memory, two stages, Pallas' own barriers, no producer
+    warpgroup, the consumers' ping-pong), with the host's schedule and the device's."""
+    lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
+    extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
+    lk = [a + b for a, b in zip(lq, extra, strict=True)]
+    inputs = _inputs(rng, lq, lk, n=4)
+    want = prefill_tests._expected(*inputs, causal=causal, scale=SCALE)
+    for config in GPU_CONFIGS:
+        for host in (True, False):
+            _check(inputs, causal=causal, host=host, config=config, want=want)
+
+
+@pytest.mark.gpu
+def test_two_heads_long_sequence_compiled(rng):
+    """One 1500-token sequence on 2 heads, causal and full."""
+    for causal in (True, False):
+        _run(rng, [1500], [1500], causal=causal, n=2)
