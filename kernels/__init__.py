@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import decode, fp8_matmul, grouped_matmul, merge, prefill, tiling
+from . import decode, fp8_matmul, grouped_matmul, merge, mosaic_gpu, prefill, tiling
 from .decode import pallas_mosaic_gpu
 
 log = logging.getLogger(__name__)
@@ -47,15 +47,6 @@ REFERENCE = KernelSet(
     fp8_matmul.reference.fp8_matmul,
     backend="reference",
 )
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.warning(message)
-
-
 # The portable Pallas kernels: Triton lowering on any CUDA GPU and every jax in the range,
 # interpret mode elsewhere.
 TRITON = KernelSet(
@@ -75,17 +66,22 @@ def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, sched
     if pallas_mosaic_gpu.pays_off(q_lat.shape[1]):
         kernel = pallas_mosaic_gpu.mla_decode
     else:
-        _log_once(
+        mosaic_gpu.log_once(
+            log,
             f"mla_decode: the Triton kernel for {q_lat.shape[1]} heads (the Mosaic GPU kernel "
-            f"pads heads to {pallas_mosaic_gpu.BLOCK_H} rows and is slower below that)"
+            f"pads heads to {pallas_mosaic_gpu.BLOCK_H} rows and is slower below that)",
         )
         kernel = decode.mla_decode
     return kernel(q_lat, q_pe, kv_cache, block_table, seq_lens, scale=scale, schedule=schedule)
 
 
-# Hopper (sm90): the decode on Mosaic GPU (wgmma, TMA, two warpgroups); the other kernels
-# are Triton's until they have Mosaic GPU versions.
-MOSAIC_GPU = TRITON._replace(mla_decode=_hopper_decode, backend="mosaic_gpu")
+# Hopper (sm90): decode and prefill on Mosaic GPU (wgmma, TMA, warpgroups with their own
+# roles); the merge and the matmuls are Triton's until they have Mosaic GPU versions.
+MOSAIC_GPU = TRITON._replace(
+    mla_decode=_hopper_decode,
+    flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
+    backend="mosaic_gpu",
+)
 PALLAS = TRITON  # the portable set; ``select("pallas")`` picks the best one for the device
 
 
@@ -105,17 +101,21 @@ def select(impl: str | KernelSet = "auto") -> KernelSet:
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     if impl == "pallas":
-        reason = pallas_mosaic_gpu.device_unsupported()
+        reason = mosaic_gpu.device_unsupported()
         if reason is None and jax.default_backend() == "gpu":
-            _log_once("kernels: Mosaic GPU decode (sm90), Triton for the other kernels")
+            mosaic_gpu.log_once(
+                log, "kernels: Mosaic GPU decode (sm90), Triton for the other kernels"
+            )
             return MOSAIC_GPU
         if jax.default_backend() == "gpu":
-            _log_once(f"kernels: Triton (the Mosaic GPU kernels do not run {reason})")
+            mosaic_gpu.log_once(
+                log, f"kernels: Triton (the Mosaic GPU kernels do not run {reason})"
+            )
         return TRITON
     if impl == "triton":
         return TRITON
     if impl == "mosaic_gpu":
-        reason = pallas_mosaic_gpu.device_unsupported()
+        reason = mosaic_gpu.device_unsupported()
         if reason is not None:
             raise ValueError(f"impl='mosaic_gpu': the Mosaic GPU kernels do not run {reason}")
         return MOSAIC_GPU

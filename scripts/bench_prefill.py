@@ -351,12 +351,12 @@ SWEEP = [
 # The variants behind the MosaicPrefillConfig defaults (at 192 / 128 wide, 128-key blocks
 # need more than the 227 KB of shared memory: the kernel would not run them).
 MOSAIC_SWEEP = [
-    dict(block_k=64, num_stages=3),
-    dict(block_k=64, num_stages=2),
-    dict(block_k=64, num_stages=3, p_in_registers=False),
-    dict(block_k=64, num_stages=3, auto_barriers=True),
-    dict(block_k=64, num_stages=3, producer_warpgroup=False),
     dict(block_k=64, num_stages=3, schedule_barrier=True),
+    dict(block_k=64, num_stages=3, schedule_barrier=False),
+    dict(block_k=64, num_stages=2, schedule_barrier=True),
+    dict(block_k=64, num_stages=3, schedule_barrier=True, p_in_registers=False),
+    dict(block_k=64, num_stages=3, schedule_barrier=True, auto_barriers=True),
+    dict(block_k=64, num_stages=3, schedule_barrier=False, producer_warpgroup=False),
 ]
 
 

@@ -313,6 +313,8 @@ def sweep(name: str, trials: list, out_dir: str | None) -> None:
         result["variant"] = variant
         rows.append(result)
         print(json.dumps(result), flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir or ".", f"{name}_sweep.json"), "w") as f:
         json.dump(
             {

@@ -1,29 +1,32 @@
-"""Paged absorbed MLA decode on Hopper (Pallas, Mosaic GPU lowering): wgmma, TMA, warp
-specialization, split-KV with the Triton kernel's plan and LSE combine.
+"""Paged absorbed MLA decode on Hopper (Pallas, Mosaic GPU lowering): wgmma, TMA, two
+warpgroups, split-KV with the Triton kernel's plan and LSE combine.
 
 Same contract as ``pallas_triton.mla_decode``. The design follows FlashMLA's Hopper kernel
-(design notes in ``kernels/decode/MOSAIC_GPU.md``): a program owns 64 query-head rows (one
-wgmma M tile; heads are zero-padded to a multiple of 64) and runs its items (``schedule_splits``)
-page by page with two warpgroups, each owning half of the ``[64, Lkv]`` float32 output (128
-registers a thread instead of 256):
+(design notes and measurements in ``kernels/decode/MOSAIC_GPU.md``): a program owns 64
+query-head rows (one wgmma M tile; heads are zero-padded to a multiple of 64) and runs its
+items (``schedule_splits``) page by page with two warpgroups, each owning half of the
+``[64, Lkv]`` float32 output (128 registers a thread instead of 256):
 
 * each item's queries and each 64-token page (through the block table) are copied into
   shared memory by TMA, two page slots deep, the latent ``[64, Lkv]`` and rope ``[64, R]``
-  parts apart; warpgroup 0 issues the copies as the slots are released;
-* the warpgroups take turns on the pages: the owner of a page (warpgroup 0 the even pages,
-  1 the odd ones) computes its scores ``[q_lat, q_pe] @ [kv_c, k_pe]^T`` and the online
-  softmax, and hands the bf16 probabilities and the new row maximum to the other through
-  shared memory (the probabilities overwrite the page's rope part, which nothing reads
-  after the scores); both then add ``P @ kv_c[:, half]``. While one runs its softmax the
-  other keeps the tensor cores busy (FlashMLA's "seesaw").
+  parts apart; warpgroup 0 issues the copies, the next page's as soon as both warpgroups
+  are done with its slot, so a page's copies fly while the one before it is computed;
+* each page is two 32-token chunks, one a warpgroup: the owner of a chunk computes its
+  scores ``[q_lat, q_pe] @ [kv_c, k_pe]^T`` and the online softmax, and hands the bf16
+  probabilities (written over the chunk's rope rows, which nothing reads after its scores)
+  and the new row maximum to the other through shared memory; both then add
+  ``P @ kv_c[:, half]`` of both chunks. Warpgroup 1 issues its scores before waiting for
+  warpgroup 0's probabilities and runs its softmax while the first product is in flight
+  (FlashMLA's "seesaw"); 32-token chunks keep the scores, probabilities and masks at 16
+  registers each beside the 128 of the accumulator.
 
-A page's rows past the item's end are loaded with the page (TMA copies whole pages) but
-their scores are masked and their values zeroed in shared memory before any product reads
-them, so stale or NaN rows there change nothing; no block-table entry past
-``cdiv(seq_len, 64)`` is read.
+An item's first page may start before it (items start anywhere) and its last may end after
+it: those keys are masked, and the value rows past the item's end are zeroed in shared
+memory before any product reads them, so stale or NaN rows there change nothing; no
+block-table entry past ``cdiv(seq_len, 64)`` is read.
 
 Runs on sm90 with page 64, bf16, ``Lkv`` a multiple of 128 and ``R == 64``; ``mla_decode``
-hands anything else to the Triton kernel (logged once per reason).
+hands anything else (the FP8 cache included) to the Triton kernel (logged once per reason).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import fp8, online_softmax
+from .. import fp8, mosaic_gpu, online_softmax
 from . import pallas_triton
 
 log = logging.getLogger(__name__)
@@ -86,24 +89,6 @@ def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -
     return max(1, num_sms // (padded_heads(num_heads) // BLOCK_H))
 
 
-def device_unsupported() -> str | None:
-    """Why the Mosaic GPU kernels cannot run on this device and jax (None: they can,
-    compiled on an sm90 GPU or in Mosaic GPU's interpret mode elsewhere)."""
-    if jax.default_backend() != "gpu":
-        if not hasattr(plgpu, "InterpretGPUParams"):
-            return f"on jax {jax.__version__} interpreted (Mosaic GPU's interpret mode needs 0.11)"
-        return None
-    cc = getattr(jax.devices()[0], "compute_capability", "")
-    if cc and not str(cc).startswith("9"):
-        return f"on compute capability {cc} (they run on sm90)"
-    if tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11):
-        # Compiled and run on 0.11.2. The Mosaic GPU lowering of 0.12 refuses the
-        # output's register-to-global stores (a warp's bf16 row is half a 32-byte
-        # sector); interpret mode runs on 0.11 and 0.12.
-        return f"on jax {jax.__version__} compiled (they run on 0.11)"
-    return None
-
-
 def unsupported(q_lat, q_pe, kv_cache) -> str | None:
     """Why the Mosaic GPU kernel cannot run these inputs here (None: it can)."""
     if isinstance(kv_cache, fp8.Fp8Cache):
@@ -116,10 +101,7 @@ def unsupported(q_lat, q_pe, kv_cache) -> str | None:
         return f"dtype {q_lat.dtype} (runs bfloat16)"
     if q_lat.shape[-1] % (2 * 64) or q_pe.shape[-1] != ROPE:
         return f"Lkv {q_lat.shape[-1]} and R {q_pe.shape[-1]} (runs Lkv % 128 == 0, R == {ROPE})"
-    return device_unsupported()
-
-
-_logged: set[str] = set()
+    return mosaic_gpu.device_unsupported()
 
 
 def _finite(m: jax.Array) -> jax.Array:
@@ -133,12 +115,6 @@ def _rescale(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
     nothing was (``m_prev = -inf``), also when ``m_new`` is still -inf (an item's first
     chunk may lie before its start)."""
     return jnp.exp2(m_prev - _finite(m_new))
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.warning(message)
 
 
 def mla_decode(
@@ -176,7 +152,9 @@ def mla_decode(
     """
     reason = unsupported(q_lat, q_pe, kv_cache)
     if reason is not None:
-        _log_once(f"mla_decode: the Mosaic GPU kernel does not run {reason}; using Triton")
+        mosaic_gpu.log_once(
+            log, f"mla_decode: the Mosaic GPU kernel does not run {reason}; using Triton"
+        )
         return pallas_triton.mla_decode(
             q_lat,
             q_pe,

@@ -128,6 +128,45 @@ def test_deepseek_dims(rng):
     _check(args, 0.07, schedule=schedule)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
+    reason="compiled on jax 0.11 only (0.12's lowering refuses the output stores)",
+)
+@pytest.mark.parametrize("n", [16, 128])
+def test_lowers_for_sm90(n):
+    """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
+    sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
+    all but a few KB of it) are checked there; only ptxas and the run need the GPU."""
+    b, heads, lkv = 4, mosaic.padded_heads(n), 512
+    lens = np.array([300, 64, 1, 0])
+    schedule = pallas_triton.schedule_splits(
+        lens, num_programs=8, block_k=mosaic.PAGE, num_items=pallas_triton.max_items(b, 8)
+    )
+    schedule = jax.tree.map(jnp.asarray, schedule)
+    f = jax.jit(
+        lambda q_lat, q_pe, cache, table, schedule: mosaic._decode_call(
+            q_lat,
+            q_pe,
+            cache,
+            table,
+            schedule,
+            scale=0.07,
+            programs=8,
+            items=schedule.item_req.shape[0],
+            config=mosaic.MosaicDecodeConfig(),
+            interpret=False,
+        )
+    )
+    args = (
+        jax.ShapeDtypeStruct((b, heads, lkv), BF16),
+        jax.ShapeDtypeStruct((b, heads, mosaic.ROPE), BF16),
+        jax.ShapeDtypeStruct((32, mosaic.PAGE, lkv + mosaic.ROPE), BF16),
+        jax.ShapeDtypeStruct((b, 8), jnp.int32),
+    )
+    lowered = f.trace(*args, schedule).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="interpret mode only")
 def test_outputs_start_poisoned():
     """Guards the claim above: in Mosaic GPU interpret mode an output the kernel never

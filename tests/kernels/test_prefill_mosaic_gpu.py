@@ -100,7 +100,9 @@ def test_device_side_schedule(rng):
 def test_consumers_issue_the_copies(rng, num_stages):
     """No producer warpgroup: consumer 0 issues the first stages, then refills each slot
     once both consumers released it (more blocks than stages, and fewer)."""
-    config = mosaic.MosaicPrefillConfig(producer_warpgroup=False, num_stages=num_stages)
+    config = mosaic.MosaicPrefillConfig(
+        producer_warpgroup=False, schedule_barrier=False, num_stages=num_stages
+    )
     _run(rng, [150, 2], [300, 70], causal=True, n=2, dqk=64, dv=64, config=config)
 
 
@@ -124,7 +126,11 @@ def test_block_k_128(rng):
         (mosaic.MosaicPrefillConfig(), False, (192, 128)),
         (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
         (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
-        (mosaic.MosaicPrefillConfig(producer_warpgroup=False), True, (192, 128)),
+        (
+            mosaic.MosaicPrefillConfig(producer_warpgroup=False, schedule_barrier=False),
+            True,
+            (192, 128),
+        ),
         (mosaic.MosaicPrefillConfig(schedule_barrier=True), False, (192, 128)),
     ],
     ids=[
@@ -193,7 +199,7 @@ GPU_CONFIGS = [
     mosaic.MosaicPrefillConfig(p_in_registers=False),
     mosaic.MosaicPrefillConfig(num_stages=2),
     mosaic.MosaicPrefillConfig(auto_barriers=True),
-    mosaic.MosaicPrefillConfig(producer_warpgroup=False),
+    mosaic.MosaicPrefillConfig(producer_warpgroup=False, schedule_barrier=False),
     mosaic.MosaicPrefillConfig(schedule_barrier=True),
 ]
 

@@ -34,7 +34,7 @@ def test_cpu_choices():
 def test_mosaic_gpu_forced():
     """Forced where it cannot run, Mosaic GPU is a one-line error naming why; where it can
     (sm90 compiled, or interpreted on jax >= 0.11) it is the Hopper set."""
-    reason = pallas_mosaic_gpu.device_unsupported()
+    reason = kernels.mosaic_gpu.device_unsupported()
     if reason is None:
         assert kernels.select("mosaic_gpu") is kernels.MOSAIC_GPU
         assert kernels.KernelPlan.for_impl("mosaic_gpu", 128).backend == "mosaic_gpu"
