@@ -153,7 +153,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (shapes too large to interpret) run only on a GPU."""
     if jax.default_backend() == "gpu":
         return
-    skip = pytest.mark.skip(reason="needs a GPU: the kernels compiled through Triton")
+    skip = pytest.mark.skip(reason="needs a GPU: shapes too large to interpret")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
