@@ -155,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
         "its own requests over its own part of the cache",
     )
     ap.add_argument(
+        "--ep",
+        action="store_true",
+        help="with --dp: expert parallelism over all --dp x --tp devices, each holding 1/(dp x "
+        "tp) of the routed experts (not a whole --tp share per DP rank); each MoE layer "
+        "all-gathers the ranks' tokens and reduce-scatters the experts' outputs back",
+    )
+    ap.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="compute every prompt whole (default: a prompt starts from the longest prefix an "
@@ -299,6 +306,7 @@ def _engine_config(
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel=args.tp,
             data_parallel=args.dp,
+            expert_parallel=args.ep,
             enable_prefix_caching=not args.no_prefix_caching,
             decode_window=args.decode_window,
         )
@@ -339,9 +347,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tp > 1 or args.dp > 1:  # refused before the weights load, which then go
         # straight to their shards
         flags = f"--tp {args.tp}" if args.dp == 1 else f"--dp {args.dp} --tp {args.tp}"
+        flags += " --ep" if args.ep else ""
         try:
-            sharding.check_divisible(load_config(model_dir), args.tp)
-            placement = sharding.placement(sharding.make_mesh(args.tp, args.dp))
+            sharding.check_divisible(load_config(model_dir), args.tp, args.dp, args.ep)
+            mesh = sharding.make_mesh(args.tp, args.dp)
+            placement = sharding.placement(mesh, args.ep)
         except ValueError as e:
             ap.error(f"{flags}: {e}")
     _compilation_cache(ap, args, enable=True)

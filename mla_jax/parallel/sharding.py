@@ -54,6 +54,9 @@ DATA_AXIS = "dp"
 # axis is never split. Paths not listed are replicated.
 _COLUMNS = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
 _ROWS = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_BY_EXPERT = (TENSOR_AXIS, None, None)  # [E, in, out]: by expert, over a DP rank's devices
+# With expert parallelism: by expert over every device, a DP rank's experts one range.
+_BY_EXPERT_OVER_ALL = ((DATA_AXIS, TENSOR_AXIS), None, None)
 _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("self_attn", "q_proj", "kernel"), _COLUMNS),
     (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
@@ -64,8 +67,8 @@ _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("down_proj", "kernel"), _ROWS),
     (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
     (("lm_head", "kernel"), _COLUMNS),
-    (("experts", "gate_up_proj"), (TENSOR_AXIS, None, None)),  # [E, H, 2I]: by expert
-    (("experts", "down_proj"), (TENSOR_AXIS, None, None)),  # [E, I, H]
+    (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I]
+    (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H]
 )
 # An FP8 weight's block scales (``<name>_scale_inv``, its grid in the weight's layout) split
 # as the weight does.
@@ -119,9 +122,15 @@ def data_parallel(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get(DATA_AXIS, 1)
 
 
-def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
+def check_divisible(
+    cfg: ModelConfig,
+    tensor_parallel: int,
+    data_parallel: int = 1,
+    expert_parallel: bool = False,
+) -> None:
     """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
-    heads, the MLP widths, the vocabulary and the routed experts that it splits."""
+    heads, the MLP widths, the vocabulary and the routed experts that it splits, and with
+    ``expert_parallel`` the ``data_parallel x tensor_parallel`` devices the routed experts."""
     sizes = {
         "num_attention_heads": cfg.mla.num_heads,
         "intermediate_size": cfg.intermediate_size,
@@ -135,14 +144,24 @@ def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
             raise ValueError(
                 f"tensor_parallel={tensor_parallel} does not divide the model's {name} ({size})"
             )
+    devices = data_parallel * tensor_parallel
+    if expert_parallel and cfg.moe is not None and cfg.moe.n_routed_experts % devices:
+        raise ValueError(
+            f"expert parallelism over data_parallel={data_parallel} x tensor_parallel="
+            f"{tensor_parallel} = {devices} devices does not divide the model's "
+            f"n_routed_experts ({cfg.moe.n_routed_experts})"
+        )
 
 
-def partition_spec(path: Sequence[str], ndim: int) -> P:
+def partition_spec(path: Sequence[str], ndim: int, expert_parallel: bool = False) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (nnx state keys, e.g. ``("layers",
-    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes."""
+    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes; with ``expert_parallel``
+    the routed experts (and their FP8 scales) split by expert over ``("dp", "tp")``."""
     path = tuple(path)
     for suffix, spec in _RULES:
         if path[-len(suffix) :] == suffix:
+            if expert_parallel and spec == _BY_EXPERT:
+                spec = _BY_EXPERT_OVER_ALL
             return P(*(None,) * (ndim - len(spec)), *spec)
     return P()
 
@@ -159,23 +178,36 @@ def param_paths(state) -> list[tuple[str, ...]]:
     return paths
 
 
-def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+def param_shardings(state, mesh: Mesh, expert_parallel: bool = False) -> list[NamedSharding]:
     """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
-    order."""
+    order (``expert_parallel``: see ``partition_spec``)."""
     return [
-        NamedSharding(mesh, partition_spec(path, leaf.ndim))
+        NamedSharding(mesh, partition_spec(path, leaf.ndim, expert_parallel))
         for path, leaf in zip(param_paths(state), jax.tree.leaves(state), strict=True)
     ]
 
 
-def placement(mesh: Mesh):
+def placement(mesh: Mesh, expert_parallel: bool = False):
     """``weights.load_model``'s ``placement``: an nnx parameter path and its number of axes
     -> its ``NamedSharding`` on ``mesh``, so that each device receives only its shards."""
 
     def place(path: Sequence, ndim: int) -> NamedSharding:
-        return NamedSharding(mesh, partition_spec([str(key) for key in path], ndim))
+        spec = partition_spec([str(key) for key in path], ndim, expert_parallel)
+        return NamedSharding(mesh, spec)
 
     return place
+
+
+def data_rank_spec(placed: NamedSharding) -> P:
+    """What a ``shard_map`` manual over ``"dp"`` alone takes as the in_spec of an array
+    placed by ``placed``: its spec with ``"tp"`` left out (the partitioner keeps it), so a
+    routed expert stack split over ``("dp", "tp")`` reaches each DP rank as its own range of
+    experts, and everything else whole."""
+    def on_data_axis(axis):
+        names = axis if isinstance(axis, tuple) else (axis,)
+        return DATA_AXIS if DATA_AXIS in names else None
+
+    return P(*(on_data_axis(axis) for axis in placed.spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
