@@ -149,13 +149,8 @@ def routed_experts(
         bo, bi = fp8_blocks
         gate_up_fp8 = dict(rhs_scale_inv=scales[0], blocks=Fp8Blocks(bo, bi, parts=2))
         down_fp8 = dict(rhs_scale_inv=scales[1], blocks=Fp8Blocks(bo, bi))
-    if layer is not None:  # every layer's experts as one [L * E, ...] stack (a free reshape)
+    if layer is not None:  # the grouped matmul reads [L, E, ...] as one [L * E, ...] stack
         group_offset = layer * num_experts
-        flatten = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-        gate_up_proj, down_proj = flatten(gate_up_proj), flatten(down_proj)
-        for fp8 in (gate_up_fp8, down_fp8):
-            if fp8:
-                fp8["rhs_scale_inv"] = flatten(fp8["rhs_scale_inv"])
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)

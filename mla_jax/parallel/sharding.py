@@ -251,10 +251,10 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
 
 
 def _by_experts(grouped_matmul, mesh: Mesh):
-    """``grouped_matmul(lhs [M, K], rhs [L * E, K, N], group_sizes [E], group_offset=l * E)``
-    (layer l's experts of a stack of L layers' ``[L, E, K, N]``, reshaped by
-    ``moe.routed_experts``) with the experts split over the mesh; ``lhs``, ``group_sizes``
-    and the result replicated.
+    """``grouped_matmul(lhs [M, K], rhs [L, E, K, N], group_sizes [E], group_offset=l * E)``
+    (layer l's experts of a stack of L layers, as ``moe.routed_experts`` passes them; or
+    ``[L * E, K, N]``) with the experts split over the mesh; ``lhs``, ``group_sizes`` and
+    the result replicated.
 
     Rank r holds experts ``[r E/n, (r + 1) E/n)`` of every layer, whose rows (lhs is sorted
     by expert) are one range of lhs: it rolls that range to the top, multiplies it by its
@@ -269,11 +269,11 @@ def _by_experts(grouped_matmul, mesh: Mesh):
         start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
         fp8 = {}
-        if scales is not None:  # this rank's experts' scales, [L * E/n, ...] as their weights
-            fp8 = dict(rhs_scale_inv=scales.reshape(-1, *scales.shape[2:]), blocks=blocks)
+        if scales is not None:  # this rank's experts' scales, [L, E/n, ...] as their weights
+            fp8 = dict(rhs_scale_inv=scales, blocks=blocks)
         out = grouped_matmul(
             jnp.roll(lhs, -start, axis=0),
-            stacked.reshape(-1, *stacked.shape[2:]),  # this rank's [L * E/n, K, N]
+            stacked,  # this rank's [L, E/n, K, N]
             sizes,
             group_offset=layer * num_local,
             **fp8,
@@ -282,11 +282,12 @@ def _by_experts(grouped_matmul, mesh: Mesh):
 
     def by_experts(lhs, rhs, group_sizes, *, group_offset=0, rhs_scale_inv=None, blocks=None):
         num_experts = group_sizes.shape[0]
-        # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
-        stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
+        # [L, E, K, N], where E is split: the model's stack as it is (a reshape of a split
+        # stack would gather it whole), or a flat one's axis unfolded.
+        stacked = rhs.reshape(-1, num_experts, *rhs.shape[-2:])
         scales = None
         if rhs_scale_inv is not None:
-            scales = rhs_scale_inv.reshape(-1, num_experts, *rhs_scale_inv.shape[1:])
+            scales = rhs_scale_inv.reshape(-1, num_experts, *rhs_scale_inv.shape[-2:])
         layer = jnp.asarray(group_offset, jnp.int32) // num_experts
         experts = P(None, TENSOR_AXIS)
         run = jax.shard_map(
