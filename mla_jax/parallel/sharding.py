@@ -203,6 +203,7 @@ def data_rank_spec(placed: NamedSharding) -> P:
     placed by ``placed``: its spec with ``"tp"`` left out (the partitioner keeps it), so a
     routed expert stack split over ``("dp", "tp")`` reaches each DP rank as its own range of
     experts, and everything else whole."""
+
     def on_data_axis(axis):
         names = axis if isinstance(axis, tuple) else (axis,)
         return DATA_AXIS if DATA_AXIS in names else None
