@@ -411,17 +411,17 @@ def _plan(args: argparse.Namespace) -> dict:
     print(
         f"memory plan: {args.model} ({memory_plan.parameter_count(model_cfg) / 1e9:.2f} B "
         f"parameters) on {args.plan_devices} devices; weights in {settings['dtype'].name} or FP8 "
-        f"with block scales; requests of {args.request_tokens} tokens in blocks of "
-        f"{args.block_size}; headroom {args.headroom:.0%} of each GPU's memory "
-        "(activations, workspaces, XLA); 'planned' layouts have no runtime yet: their numbers "
-        "come from the partition specs they would use"
+        f"with block scales (as --fp8-weights keep holds them); requests of "
+        f"{args.request_tokens} tokens in blocks of {args.block_size}; headroom "
+        f"{args.headroom:.0%} of each GPU's memory (activations, workspaces, XLA); dpMxtpN: "
+        "--dp M --tp N, +ep: with --ep (the routed experts over all devices)"
     )
     print(memory_plan.format_plan(rows, request_tokens=args.request_tokens))
     result = {
         "plan": [
             {
                 "layout": row.layout.name,
-                "runnable": row.layout.runnable,
+                "expert_parallel": row.layout.expert_parallel,
                 "weights": row.weights,
                 "weight_bytes_per_device": row.weight_bytes,
                 "cache_bytes_per_token_per_device": row.token_bytes,
