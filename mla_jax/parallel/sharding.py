@@ -30,6 +30,14 @@ ids local to the rank); the parameters are split on ``"tp"`` as above and replic
 (``"tp"`` left to the partitioner), so the kernels' ``shard_map`` over ``"tp"`` nests in it
 (``_heads_mesh``). Each rank runs the MLP / MoE on its own tokens with the weights it holds:
 no collective crosses ``"dp"``.
+
+Expert parallelism over all ranks (``expert_parallel``, ``--dp M --ep``): the routed experts
+(and an FP8 stack's scales) split by expert over ``("dp", "tp")``, so DP rank r's devices
+hold the range ``[r E/M, (r + 1) E/M)``, split among them as TP splits experts; everything
+else as under DP. The runner's ``shard_map`` takes each rank's range (``data_rank_spec``),
+and the MoE layers send the ranks' tokens to it and back (``expert_parallel.py``: an
+all-gather and a reduce-scatter over ``"dp"`` per MoE layer, the only collectives across
+ranks).
 """
 
 from __future__ import annotations
