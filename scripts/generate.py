@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
-from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, load_model
+from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, keeps_fp8, load_model
 from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
@@ -349,7 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
         flags = f"--tp {args.tp}" if args.dp == 1 else f"--dp {args.dp} --tp {args.tp}"
         flags += " --ep" if args.ep else ""
         try:
-            sharding.check_divisible(load_config(model_dir), args.tp, args.dp, args.ep)
+            model_cfg = load_config(model_dir)
+            fp8_blocks = None
+            if keeps_fp8(model_cfg, args.fp8_weights):
+                fp8_blocks = model_cfg.quantization.weight_block_size
+            sharding.check_divisible(model_cfg, args.tp, args.dp, args.ep, fp8_blocks)
             mesh = sharding.make_mesh(args.tp, args.dp)
             placement = sharding.placement(mesh, args.ep)
         except ValueError as e:

@@ -286,7 +286,11 @@ class Engine:
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(
-                self.model_cfg, cfg.tensor_parallel, cfg.data_parallel, cfg.expert_parallel
+                self.model_cfg,
+                cfg.tensor_parallel,
+                cfg.data_parallel,
+                cfg.expert_parallel,
+                model.fp8_blocks,
             )
             mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
             cache_sharding = sharding.per_data_rank(mesh, axis=1)

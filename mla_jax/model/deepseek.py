@@ -119,6 +119,7 @@ class DeepseekModel(nnx.Module):
         fp8_blocks: tuple[int, int] | None = None,
     ):
         self.cfg = cfg
+        self.fp8_blocks = fp8_blocks  # (bo, bi) of the FP8 weights kept, else None
         h = cfg.mla.hidden_size
         self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
         # One stacked module per run of layers (``cfg.layer_runs()``), in order.

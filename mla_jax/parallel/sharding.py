@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 
 import jax
@@ -135,10 +136,13 @@ def check_divisible(
     tensor_parallel: int,
     data_parallel: int = 1,
     expert_parallel: bool = False,
+    fp8_blocks: tuple[int, int] | None = None,
 ) -> None:
     """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
-    heads, the MLP widths, the vocabulary and the routed experts that it splits, and with
-    ``expert_parallel`` the ``data_parallel x tensor_parallel`` devices the routed experts."""
+    heads, the MLP widths, the vocabulary and the routed experts that it splits, with
+    ``expert_parallel`` the ``data_parallel x tensor_parallel`` devices the routed experts,
+    and with FP8 weights kept (``fp8_blocks = (bo, bi)``) each device's share of a split
+    FP8 projection is whole blocks (its scales then split as evenly as it does)."""
     sizes = {
         "num_attention_heads": cfg.mla.num_heads,
         "intermediate_size": cfg.intermediate_size,
@@ -159,6 +163,30 @@ def check_divisible(
             f"{tensor_parallel} = {devices} devices does not divide the model's "
             f"n_routed_experts ({cfg.moe.n_routed_experts})"
         )
+    if fp8_blocks is not None:
+        _check_fp8_blocks(cfg, tensor_parallel, fp8_blocks)
+
+
+def _check_fp8_blocks(cfg: ModelConfig, tensor_parallel: int, fp8_blocks: tuple[int, int]):
+    """The FP8 projections TP splits (``_WEIGHT_RULES``; the routed experts split by expert,
+    on no block): output columns in blocks of ``bo``, input rows in blocks of ``bi``."""
+    bo, bi = fp8_blocks
+    mla = cfg.mla
+    both = math.lcm(bo, bi)  # an MLP's width: gate / up columns, then down rows
+    widths = {
+        "query heads x qk_head_dim": (mla.num_heads * mla.qk_head_dim, bo),
+        "heads x v_head_dim (o_proj's inputs)": (mla.num_heads * mla.v_head_dim, bi),
+        "intermediate_size": (cfg.intermediate_size, both),
+    }
+    if cfg.moe is not None:
+        widths["shared experts' intermediate size"] = (cfg.moe.shared_intermediate_size, both)
+    for name, (width, block) in widths.items():
+        if width % (tensor_parallel * block):
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} splits the model's FP8 {name} ({width}) off "
+                f"its {bo} x {bi} weight blocks (each device's share must be whole blocks of "
+                f"{block})"
+            )
 
 
 def partition_spec(path: Sequence[str], ndim: int, expert_parallel: bool = False) -> P:
@@ -340,8 +368,12 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     )
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
-    # The FP8 projections' matmul runs as it is: XLA gives it whole weights (a split FP8
-    # projection is gathered on each device; TP over FP8 projections is not wrapped yet).
+    # The FP8 projections' matmul runs as it is. The reference (a dequantize and a dot) is
+    # partitioned by XLA like any dot; the Pallas kernel is opaque to it, so under TP XLA
+    # gathers each split FP8 projection and its scales whole onto every device and runs the
+    # whole product there: correct, one projection's whole weight per device at a time, but
+    # the weights cross the devices every step. Wrapping it needs each projection's split at
+    # the call (not done yet); experts (grouped matmul) and TP 1 layouts are unaffected.
     return kernels.KernelSet(
         mla_decode, flash_prefill, merge_attn_states, grouped_matmul, kernel_set.fp8_matmul
     )

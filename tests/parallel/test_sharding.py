@@ -412,6 +412,28 @@ def test_bad_expert_parallel_is_refused(flags, message, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
 
 
+def test_fp8_weights_split_off_their_blocks_are_refused(tmp_path, capsys):
+    """Kept FP8 weights split by TP must split on whole blocks (their scales then split as
+    evenly): DeepSeek-V3's config.json with an MLP width of 145 blocks of 128, at TP 2,
+    refused before any weight would load; dequantized at load, it passes this check."""
+    with open(os.path.join(TESTS, "data", "deepseek-v3", "config.json")) as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 145 * 128}))
+    flags = ["--model", str(tmp_path), "--tp", "2", "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        generate_script().main([*flags, "--fp8-weights", "keep"])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "--tp 2: tensor_parallel=2 splits the model's FP8 intermediate_size (18560) off its "
+            "128 x 128 weight blocks (each device's share must be whole blocks of 128)"
+        )
+    )
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
