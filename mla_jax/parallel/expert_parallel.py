@@ -11,8 +11,9 @@ routed experts (``sharding.partition_spec(..., expert_parallel=True)``: rank r t
 2. runs this rank's experts on the (token, expert) pairs whose expert it holds: the other
    pairs get expert id ``E / M`` (past the last local group: sorted after every local row,
    counted in no group, so no weight is read for them) and weight 0;
-3. reduce-scatters the ``[M T, H]`` float32 partial sums back: rank r receives rows
-   ``[r T, (r + 1) T)``, the sum over the ranks of its tokens' expert outputs.
+3. reduce-scatters the ``[M T, H]`` partial sums back: rank r receives rows ``[r T, (r + 1)
+   T)``, the sum over the ranks of its tokens' expert outputs. In float32, as the one-rank
+   path sums a token's experts (a bf16 sum would round each rank's share).
 
 Why all-gather + reduce-scatter rather than all-to-all: under jit an all-to-all moves
 fixed-size buffers, so each rank would send every other rank a buffer of the most rows it
