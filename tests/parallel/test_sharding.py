@@ -11,7 +11,10 @@ shard_map. Data parallelism: greedy tokens at DP 2 and DP 2 x TP 2 on three prom
 different lengths (ranks idle or lacking a part in some steps), at DP 2 in decode windows
 too, the cache split over the DP ranks, collectives only within a DP rank; prefix caching
 at DP 2 x TP 2 (requests steered to the rank that caches their prefix while it has room).
-Refusals run here, on this process's one device.
+Expert parallelism (``--ep``, the routed experts over all devices): greedy tokens on the V3-
+and V2-router MoE checkpoints and on an FP8 one (weights kept FP8), each device's 1/D of the
+routed experts, and the collectives across DP ranks (the dispatch's all-gathers and the
+combine's reduce-scatter only). Refusals run here, on this process's one device.
 """
 
 from __future__ import annotations
