@@ -163,7 +163,7 @@ def check_divisible(
             f"{tensor_parallel} = {devices} devices does not divide the model's "
             f"n_routed_experts ({cfg.moe.n_routed_experts})"
         )
-    if fp8_blocks is not None:
+    if fp8_blocks is not None and tensor_parallel > 1:  # (at TP 1 nothing splits)
         _check_fp8_blocks(cfg, tensor_parallel, fp8_blocks)
 
 
