@@ -1,5 +1,7 @@
 """Across GPUs: the serving benchmark's V2-Lite-shaped model on 1 GPU, tensor parallel, data
-parallel attention and both (``tp2``, ``dp2``, ``dp2xtp2``, ...), through ``Engine.generate``.
+parallel attention and both (``tp2``, ``dp2``, ``dp2xtp2``, ...), and data parallel attention
+with the routed experts over all GPUs (``dp2+ep``, ``dp2xtp2+ep``: ``--model v2-lite-moe``),
+through ``Engine.generate``.
 
 Per mode and workload: tokens/s, the decode step's wall time (median interval between step
 launches), its device time on the busiest GPU and the time its GPUs spend in collective
@@ -72,6 +74,7 @@ SMOKE_FLAGS = dict(
 class Mode(NamedTuple):
     data_parallel: int
     tensor_parallel: int
+    expert_parallel: bool = False  # the routed experts over all devices (EngineConfig's)
 
     @property
     def devices(self) -> int:
@@ -82,18 +85,25 @@ class Mode(NamedTuple):
         if self.devices == 1:
             return "1 GPU"
         parts = [f"DP {self.data_parallel}"] * (self.data_parallel > 1)
-        return " x ".join(parts + [f"TP {self.tensor_parallel}"] * (self.tensor_parallel > 1))
+        parts += [f"TP {self.tensor_parallel}"] * (self.tensor_parallel > 1)
+        return " x ".join(parts) + " + EP" * self.expert_parallel
 
 
 def _modes(text: str) -> list[Mode]:
-    """``tp1,tp2,dp2,dp2xtp2`` -> (data_parallel, tensor_parallel) of each mode."""
+    """``tp1,tp2,dp2,dp2xtp2,dp2+ep`` -> (data_parallel, tensor_parallel, expert_parallel) of
+    each mode."""
     modes = []
     for mode in text.split(","):
-        match = re.fullmatch(r"dp([1-9][0-9]*)(?:xtp([1-9][0-9]*))?|tp([1-9][0-9]*)", mode.strip())
+        match = re.fullmatch(
+            r"dp([1-9][0-9]*)(?:xtp([1-9][0-9]*))?(\+ep)?|tp([1-9][0-9]*)", mode.strip()
+        )
         if match is None:
-            raise argparse.ArgumentTypeError(f"mode {mode!r}: want tpN, dpM or dpMxtpN")
-        data_parallel, tensor_parallel, tp_only = match.groups()
-        modes.append(Mode(int(data_parallel or 1), int(tensor_parallel or tp_only or 1)))
+            raise argparse.ArgumentTypeError(
+                f"mode {mode!r}: want tpN, dpM or dpMxtpN, the last two optionally +ep"
+            )
+        data_parallel, tensor_parallel, expert_parallel, tp_only = match.groups()
+        tensor_parallel = int(tensor_parallel or tp_only or 1)
+        modes.append(Mode(int(data_parallel or 1), tensor_parallel, bool(expert_parallel)))
     return modes
 
 
@@ -218,7 +228,7 @@ def main(argv: list[str] | None = None) -> str:
         "--modes",
         type=_modes,
         default=[Mode(1, 1), Mode(1, 2)],
-        help="e.g. tp1,tp2,tp4,dp2,dp4,dp2xtp2",
+        help="e.g. tp1,tp2,tp4,dp2,dp4,dp2xtp2,dp2+ep (+ep: the routed experts over all GPUs)",
     )
     ap.add_argument("--batches", default="64,256", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=4096, help="decode context length")
@@ -291,6 +301,7 @@ def main(argv: list[str] | None = None) -> str:
             num_blocks=(per_rank + scratch_blocks(args.block_size, ranks)) * ranks,
             tensor_parallel=mode.tensor_parallel,
             data_parallel=ranks,
+            expert_parallel=mode.expert_parallel,
         )
         # A rank's decode ladder also holds its share of each batch (no padding to the next).
         ladder = cfg.fixed_buckets(settings["max_model_len"])

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from mla_jax.cache.latent_cache import KV_CACHE_DTYPES, CacheFullError
 from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
-from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, load_model
+from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, keeps_fp8, load_model
 from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
 from mla_jax.engine import compilation
 from mla_jax.engine.batch import scratch_blocks
@@ -158,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="data parallel attention: this many ranks (of --tp devices each), each running "
         "its own requests over its own part of the cache",
+    )
+    ap.add_argument(
+        "--ep",
+        action="store_true",
+        help="with --dp: expert parallelism over all --dp x --tp devices, each holding 1/(dp x "
+        "tp) of the routed experts (not a whole --tp share per DP rank); each MoE layer "
+        "all-gathers the ranks' tokens and reduce-scatters the experts' outputs back",
     )
     ap.add_argument(
         "--no-prefix-caching",
@@ -304,6 +311,7 @@ def _engine_config(
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel=args.tp,
             data_parallel=args.dp,
+            expert_parallel=args.ep,
             enable_prefix_caching=not args.no_prefix_caching,
             decode_window=args.decode_window,
         )
@@ -344,9 +352,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tp > 1 or args.dp > 1:  # refused before the weights load, which then go
         # straight to their shards
         flags = f"--tp {args.tp}" if args.dp == 1 else f"--dp {args.dp} --tp {args.tp}"
+        flags += " --ep" if args.ep else ""
         try:
-            sharding.check_divisible(load_config(model_dir), args.tp)
-            placement = sharding.placement(sharding.make_mesh(args.tp, args.dp))
+            model_cfg = load_config(model_dir)
+            fp8_blocks = None
+            if keeps_fp8(model_cfg, args.fp8_weights):
+                fp8_blocks = model_cfg.quantization.weight_block_size
+            sharding.check_divisible(model_cfg, args.tp, args.dp, args.ep, fp8_blocks)
+            mesh = sharding.make_mesh(args.tp, args.dp)
+            placement = sharding.placement(mesh, args.ep)
         except ValueError as e:
             ap.error(f"{flags}: {e}")
     _compilation_cache(ap, args, enable=True)
@@ -406,17 +420,17 @@ def _plan(args: argparse.Namespace) -> dict:
     print(
         f"memory plan: {args.model} ({memory_plan.parameter_count(model_cfg) / 1e9:.2f} B "
         f"parameters) on {args.plan_devices} devices; weights in {settings['dtype'].name} or FP8 "
-        f"with block scales; requests of {args.request_tokens} tokens in blocks of "
-        f"{args.block_size}; headroom {args.headroom:.0%} of each GPU's memory "
-        "(activations, workspaces, XLA); 'planned' layouts have no runtime yet: their numbers "
-        "come from the partition specs they would use"
+        f"with block scales (as --fp8-weights keep holds them); requests of "
+        f"{args.request_tokens} tokens in blocks of {args.block_size}; headroom "
+        f"{args.headroom:.0%} of each GPU's memory (activations, workspaces, XLA); dpMxtpN: "
+        "--dp M --tp N, +ep: with --ep (the routed experts over all devices)"
     )
     print(memory_plan.format_plan(rows, request_tokens=args.request_tokens))
     result = {
         "plan": [
             {
                 "layout": row.layout.name,
-                "runnable": row.layout.runnable,
+                "expert_parallel": row.layout.expert_parallel,
                 "weights": row.weights,
                 "weight_bytes_per_device": row.weight_bytes,
                 "cache_bytes_per_token_per_device": row.token_bytes,

@@ -126,6 +126,21 @@ def _grouped_matmul_kernel(
     )
 
 
+def stacked_groups(
+    rhs: jax.Array, rhs_scale_inv: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``rhs [..., G', K, N]`` (a stacked model's every layer's experts, ``[L, E, K, N]``) and
+    its scales ``[..., G', ...]`` as one ``[L E, K, N]`` stack of matrices: a free reshape
+    of whole arrays. Done here rather than by the caller: an expert-split stack reshaped
+    outside the kernel's ``shard_map`` (``sharding._by_experts``) would be gathered whole to
+    do it, every step."""
+    if rhs.ndim <= 3:
+        return rhs, rhs_scale_inv
+    if rhs_scale_inv is not None:
+        rhs_scale_inv = rhs_scale_inv.reshape(-1, *rhs_scale_inv.shape[-2:])
+    return rhs.reshape(-1, *rhs.shape[-2:]), rhs_scale_inv
+
+
 def check(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -193,11 +208,12 @@ def grouped_matmul(
     Args:
       lhs: ``[M, K]`` rows sorted by group (bf16 or f32).
       rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype, or float8_e4m3fn
-        with ``rhs_scale_inv``; group g's rows multiply ``rhs[group_offset + g]``.
+        with ``rhs_scale_inv``; group g's rows multiply ``rhs[group_offset + g]``. Leading
+        axes stack too (``stacked_groups``): ``[L, E, K, N]`` is ``[L * E, K, N]``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
-        A stacked model passes every layer's experts (``[L * E, K, N]``, a free reshape) and
-        ``layer * E``: slicing one layer's experts out under a scan would copy them each step.
+        A stacked model passes every layer's experts (``[L, E, K, N]``) and ``layer * E``:
+        slicing one layer's experts out under a scan would copy them each step.
       rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', cdiv(K, block_in),
         ...]`` (``fp8_blocks.Fp8Blocks.scale_shape``); each weight tile is dequantized into
         lhs's dtype in registers. blocks: their block sizes (static).
@@ -211,6 +227,7 @@ def grouped_matmul(
       ``out [M, N]`` in lhs's dtype, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r
       of group g, 0 for the rows after the last group.
     """
+    rhs, rhs_scale_inv = stacked_groups(rhs, rhs_scale_inv)
     check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import fp8_blocks
-from .pallas_triton import check
+from .pallas_triton import check, stacked_groups
 
 
 def grouped_matmul(
@@ -26,9 +26,10 @@ def grouped_matmul(
     GPUs it lowers to a dense matmul over every group, so the Pallas kernel runs there).
 
     Args:
-      lhs: ``[M, K]`` rows sorted by group; rhs: ``[G', K, N]``, lhs's dtype, or
-        float8_e4m3fn with ``rhs_scale_inv`` and ``blocks`` (``fp8_blocks``): the G used
-        matrices are dequantized into lhs's dtype, then multiplied.
+      lhs: ``[M, K]`` rows sorted by group; rhs: ``[G', K, N]`` (or ``[..., G', K, N]``,
+        ``stacked_groups``), lhs's dtype, or float8_e4m3fn with ``rhs_scale_inv`` and
+        ``blocks`` (``fp8_blocks``): the G used matrices are dequantized into lhs's dtype,
+        then multiplied.
       group_sizes: ``[G]`` int32 rows per group, summing to at most M; G <= G'.
       group_offset: group g's rows multiply ``rhs[group_offset + g]`` (int32, may be traced).
       schedule, config, interpret: the Pallas kernel's tile plan, launch parameters and
@@ -39,6 +40,7 @@ def grouped_matmul(
       rows after the last group.
     """
     del schedule, config, interpret
+    rhs, rhs_scale_inv = stacked_groups(rhs, rhs_scale_inv)
     check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     rhs = jax.lax.dynamic_slice_in_dim(rhs, group_offset, group_sizes.shape[0])
     if blocks is not None:

@@ -67,6 +67,11 @@ class EngineConfig:
     # own num_blocks / data_parallel cache blocks; max_num_seqs and max_num_batched_tokens
     # bound each rank's step (sharding.py).
     data_parallel: int = 1
+    # With data_parallel > 1: split the routed experts over all data_parallel x
+    # tensor_parallel devices (each holds 1/D of them) instead of a whole TP share on every
+    # DP rank; the MoE layers send every rank's tokens to the experts' devices and back
+    # (sharding.py, expert_parallel.py).
+    expert_parallel: bool = False
     # Keep full blocks by content and start a request from the longest cached prefix of its
     # prompt (cache/block_manager.py); each DP rank caches its own blocks.
     enable_prefix_caching: bool = True
@@ -86,6 +91,11 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.expert_parallel and self.data_parallel == 1:
+            raise ValueError(
+                "expert_parallel needs data_parallel > 1 (with one DP rank, tensor parallelism "
+                "already splits the experts over every device)"
+            )
         if self.num_blocks % self.data_parallel:
             raise ValueError(
                 f"num_blocks ({self.num_blocks}) does not divide among "
@@ -275,7 +285,13 @@ class Engine:
         )
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
-            sharding.check_divisible(self.model_cfg, cfg.tensor_parallel)
+            sharding.check_divisible(
+                self.model_cfg,
+                cfg.tensor_parallel,
+                cfg.data_parallel,
+                cfg.expert_parallel,
+                model.fp8_blocks,
+            )
             mesh = sharding.make_mesh(cfg.tensor_parallel, cfg.data_parallel)
             cache_sharding = sharding.per_data_rank(mesh, axis=1)
         cache = init_cache(
@@ -296,6 +312,7 @@ class Engine:
             impl=cfg.impl,
             seed=seed,
             mesh=mesh,
+            expert_parallel=cfg.expert_parallel,
         )
         # One block manager and scheduler per DP rank, over its blocks less its scratch blocks.
         self.rank_blocks = cfg.num_blocks // cfg.data_parallel

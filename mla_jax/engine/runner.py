@@ -133,7 +133,9 @@ class ModelRunner:
     kernels run per rank on its heads; the cache and a step's inputs and sampled tokens are
     replicated over ``"tp"`` and, with a ``"dp"`` axis, split over it: each DP rank runs its
     own batch on its own ``num_blocks`` cache blocks (of the ``cache``'s ``dp * num_blocks``),
-    block ids local to it."""
+    block ids local to it. With ``expert_parallel`` (a ``"dp"`` axis) the routed experts
+    split over all of the mesh's devices and the MoE layers send every DP rank's tokens to
+    them (``expert_parallel.py``)."""
 
     def __init__(
         self,
@@ -146,6 +148,7 @@ class ModelRunner:
         impl: str,
         seed: int,
         mesh: Mesh | None = None,
+        expert_parallel: bool = False,
     ):
         graphdef, state = nnx.split(model)
         self.params, param_tree = jax.tree.flatten(state)
@@ -159,7 +162,7 @@ class ModelRunner:
         kernel_set = kernels.select(impl)
         if mesh is not None:
             num_heads //= mesh.shape[sharding.TENSOR_AXIS]
-            shardings = sharding.param_shardings(state, mesh)
+            shardings = sharding.param_shardings(state, mesh, expert_parallel)
             self.params = [
                 jax.device_put(param, placement)
                 for param, placement in zip(self.params, shardings, strict=True)
@@ -177,6 +180,8 @@ class ModelRunner:
         self.kernel_plan = kernels.KernelPlan.for_impl(kernel_set, num_heads)
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
+        # The MoE layers' tokens cross the DP ranks (each holds a range of the experts).
+        expert_axis = sharding.DATA_AXIS if expert_parallel else None
 
         def forward(layout: StepLayout, params, cache, packed, previous_tokens, key):
             """One step, or a window (``layout.steps`` > 1): ``(tokens, cache)``, or
@@ -190,7 +195,7 @@ class ModelRunner:
                 return window_forward(
                     layout, model, cache, metadata, input_ids, temperatures, step, key, *window
                 )
-            logits, cache = model(input_ids, cache, metadata, impl=impl)
+            logits, cache = model(input_ids, cache, metadata, impl=impl, expert_axis=expert_axis)
             tokens = _sample(logits, temperatures, jax.random.fold_in(key, step[0]))
             return jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens), cache
 
@@ -222,11 +227,16 @@ class ModelRunner:
 
             def live_steps(carry):
                 s, *_, live = carry
-                return (s < layout.steps) & live.any()
+                live = live.any()
+                if expert_axis is not None:  # every rank steps while any does: the MoE
+                    # layers' collectives need all of them (a stopped rank runs padding)
+                    live = jax.lax.psum(live.astype(jnp.int32), expert_axis) > 0
+                return (s < layout.steps) & live
 
             def one_step(carry):
                 s, ids, positions, seq_lens, last, tokens, counts, cache, live = carry
-                logits, cache = model(ids, cache, at(positions, seq_lens, live), impl=impl)
+                metadata = at(positions, seq_lens, live)
+                logits, cache = model(ids, cache, metadata, impl=impl, expert_axis=expert_axis)
                 sampled = _sample(logits, temperatures, jax.random.fold_in(key, step[0] + s))
                 last = jnp.where(live, sampled, last)
                 tokens = tokens.at[s].set(sampled)
@@ -278,12 +288,16 @@ class ModelRunner:
                 key = jax.random.fold_in(key, jax.lax.axis_index(sharding.DATA_AXIS))
                 return forward(layout, params, cache, packed[0], previous_tokens, key)
 
+            # Each rank's parameters: whole, or with expert parallelism its range of the
+            # routed experts (split further over its "tp" devices by the partitioner).
+            rank_params = [sharding.data_rank_spec(placed) for placed in shardings]
+
             def data_parallel_forward(layout: StepLayout, params, cache, packed, tokens, key):
                 outputs = (split_rows,) * (1 + (layout.steps > 1))  # tokens (and a window's)
                 return jax.shard_map(
                     lambda *args: rank_forward(layout, *args),
                     mesh=mesh,
-                    in_specs=(replicated, by_block, split_rows, split_rows, replicated),
+                    in_specs=(rank_params, by_block, split_rows, split_rows, replicated),
                     out_specs=(*outputs, by_block),
                     axis_names={sharding.DATA_AXIS},  # "tp" stays with the partitioner
                     check_vma=False,

@@ -57,15 +57,27 @@ class DecoderLayer(nnx.Module):
             )
 
     def __call__(
-        self, x, cache, metadata: AttentionMetadata, *, layer, layer_in_run, impl: kernels.KernelSet
+        self,
+        x,
+        cache,
+        metadata: AttentionMetadata,
+        *,
+        layer,
+        layer_in_run,
+        impl: kernels.KernelSet,
+        expert_axis: str | None = None,
     ):
         """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
-        in its run (its routed experts, which the scan passes for the whole run)."""
+        in its run (its routed experts, which the scan passes for the whole run);
+        ``expert_axis``: see ``MoE.__call__``."""
         h, cache = self.self_attn(self.input_layernorm(x), cache, metadata, layer=layer, impl=impl)
         x = x + h
         h = self.post_attention_layernorm(x)
         moe = isinstance(self.mlp, MoE)
-        h = self.mlp(h, impl=impl, layer=layer_in_run) if moe else self.mlp(h, impl=impl)
+        if moe:
+            h = self.mlp(h, impl=impl, layer=layer_in_run, expert_axis=expert_axis)
+        else:
+            h = self.mlp(h, impl=impl)
         return x + h, cache
 
 
@@ -107,6 +119,7 @@ class DeepseekModel(nnx.Module):
         fp8_blocks: tuple[int, int] | None = None,
     ):
         self.cfg = cfg
+        self.fp8_blocks = fp8_blocks  # (bo, bi) of the FP8 weights kept, else None
         h = cfg.mla.hidden_size
         self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
         # One stacked module per run of layers (``cfg.layer_runs()``), in order.
@@ -134,10 +147,14 @@ class DeepseekModel(nnx.Module):
         metadata: AttentionMetadata,
         *,
         impl: str | kernels.KernelSet = "auto",
+        expert_axis: str | None = None,
     ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
         Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
-        ``metadata.logits_indices`` ``[R, vocab]`` float32 and the updated cache."""
+        ``metadata.logits_indices`` ``[R, vocab]`` float32 and the updated cache.
+        ``expert_axis``: under a ``shard_map`` manual over that mesh axis, the routed
+        experts are split over it (this rank holds its range of them) and the MoE layers
+        send every rank's tokens to them (``MoE.__call__``)."""
         if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
             raise ValueError(
                 f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
@@ -162,6 +179,7 @@ class DeepseekModel(nnx.Module):
                     layer=first + layer_in_run,
                     layer_in_run=layer_in_run,
                     impl=kernel_set,
+                    expert_axis=expert_axis,
                 )
                 return (x, cache), None
 

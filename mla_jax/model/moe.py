@@ -33,6 +33,7 @@ it. ``hf_expert_slice`` says where each HF expert tensor goes and
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -45,6 +46,7 @@ from mla_jax import kernels
 from mla_jax.kernels.fp8_blocks import FP8, Fp8Blocks
 from mla_jax.model.config import MoEConfig
 from mla_jax.model.layers import MLP
+from mla_jax.parallel import expert_parallel
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -147,13 +149,8 @@ def routed_experts(
         bo, bi = fp8_blocks
         gate_up_fp8 = dict(rhs_scale_inv=scales[0], blocks=Fp8Blocks(bo, bi, parts=2))
         down_fp8 = dict(rhs_scale_inv=scales[1], blocks=Fp8Blocks(bo, bi))
-    if layer is not None:  # every layer's experts as one [L * E, ...] stack (a free reshape)
+    if layer is not None:  # the grouped matmul reads [L, E, ...] as one [L * E, ...] stack
         group_offset = layer * num_experts
-        flatten = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-        gate_up_proj, down_proj = flatten(gate_up_proj), flatten(down_proj)
-        for fp8 in (gate_up_fp8, down_fp8):
-            if fp8:
-                fp8["rhs_scale_inv"] = flatten(fp8["rhs_scale_inv"])
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # sorted row -> (token, expert) pair
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
@@ -251,28 +248,42 @@ class MoE(nnx.Module):
         *,
         impl: str | kernels.KernelSet = "auto",
         layer: int | jax.Array | None = None,
+        expert_axis: str | None = None,
     ) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
         (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
         holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
-        router and shared experts are this layer's own), which of them to use."""
+        router and shared experts are this layer's own), which of them to use.
+        ``expert_axis``: a mesh axis, manual in the caller's ``shard_map``, over which the
+        routed experts are split (each rank holds its range of them): the ranks' tokens go
+        to every rank's experts and come back (``expert_parallel.dispatch_and_combine``);
+        the router and shared experts run on this rank's tokens."""
         kernel_set = kernels.select(impl)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         expert_ids, weights = route(
             x, self.gate.kernel[...], None if bias is None else bias[...], self.cfg
         )
-        routed = routed_experts(
-            x,
-            expert_ids,
-            weights,
-            self.experts.gate_up_proj[...],
-            self.experts.down_proj[...],
+        experts = functools.partial(
+            routed_experts,
+            gate_up_proj=self.experts.gate_up_proj[...],
+            down_proj=self.experts.down_proj[...],
             layer=layer,
             grouped_matmul=kernel_set.grouped_matmul,
             scales=self.experts.scales(),
             fp8_blocks=self.experts.fp8_blocks,
             dtype=self.dtype,
         )
+        if expert_axis is None:
+            routed = experts(x, expert_ids, weights)
+        else:
+            routed = expert_parallel.dispatch_and_combine(
+                x,
+                expert_ids,
+                weights,
+                experts,
+                axis_name=expert_axis,
+                num_local_experts=self.experts.down_proj.shape[-3],
+            )
         shared = self.shared_experts(x.astype(self.dtype), impl=kernel_set)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 

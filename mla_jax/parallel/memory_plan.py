@@ -5,21 +5,22 @@ model's parameters and cache and the shard shapes of the layout's shardings on a
 
 Layouts (``Layout``) on a ``("dp", "tp")`` mesh of M x N devices:
 
-- ``tp8`` (M = 1) and ``dp2xtp4`` ...: what ``sharding.py`` runs today. Parameters take
+- ``tp8`` (M = 1) and ``dp2xtp4`` ... (``--tp N``, ``--dp M --tp N``). Parameters take
   ``sharding.partition_spec`` (split on ``"tp"``, replicated over ``"dp"``); the cache is
   split on its block axis over ``"dp"`` (``sharding.per_data_rank``) and replicated over
   ``"tp"``.
-- ``dp8+ep``, ``dp4xtp2+ep`` ...: DP attention with the routed experts split over all M x N
-  devices (SGLang's DP attention with expert parallelism). **Planned, not runnable**: no
-  runtime exists for it yet; its partition specs are today's with the routed experts' expert
-  axis split over ``("dp", "tp")`` instead of ``"tp"`` (attention, dense MLPs, shared
-  experts, embedding and ``lm_head`` as today: split on ``"tp"``, replicated over ``"dp"``).
+- ``dp8+ep``, ``dp4xtp2+ep`` ... (``--dp M --tp N --ep``): DP attention with the routed
+  experts split over all M x N devices (SGLang's DP attention with expert parallelism):
+  ``sharding.partition_spec(..., expert_parallel=True)``, the routed experts' expert axis
+  over ``("dp", "tp")`` (attention, dense MLPs, shared experts, embedding and ``lm_head``
+  as without it: split on ``"tp"``, replicated over ``"dp"``).
 
-Weights are counted in the model's dtype, or with the tensors DeepSeek's FP8 checkpoints
-store as FP8 (``is_fp8_weight``: every projection of the decoder layers, the routed experts
-included) as ``float8_e4m3fn`` plus their float32 ``weight_scale_inv`` block scales, each
-scale grid split as its weight is. The cache of a request of T tokens is ``cdiv(T,
-block_size)`` blocks on its DP rank, in the model's dtype or in ``kernels.fp8``'s layout.
+Weights are counted in the model's dtype, or as the runtime keeps an FP8 checkpoint's
+(``--fp8-weights keep``; ``is_fp8_weight``: every projection of the decoder layers but
+``kv_b_proj``, the routed experts included) as ``float8_e4m3fn`` plus their float32
+``weight_scale_inv`` block scales, each scale grid split as its weight is. The cache of a
+request of T tokens is ``cdiv(T, block_size)`` blocks on its DP rank, in the model's dtype
+or in ``kernels.fp8``'s layout.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ GIB = 1 << 30
 # The block scales DeepSeek's FP8 checkpoints use, for a config that has none.
 DEEPSEEK_FP8 = FP8BlockQuantization((128, 128))
 _ROUTED_EXPERTS = (("experts", "gate_up_proj"), ("experts", "down_proj"))
-# The decoder layers' nnx.Linear modules (attention, dense MLP, shared experts).
+# The decoder layers' projections the runtime keeps FP8 (attention, dense MLP, shared
+# experts): not kv_b_proj, which the loader dequantizes (``MLAAttention``: it serves as the
+# per-head W_UK / W_UV, not as a linear of the hidden states).
 _PROJECTIONS = (
     "q_proj",
     "q_a_proj",
     "q_b_proj",
     "kv_a_proj_with_mqa",
-    "kv_b_proj",
     "o_proj",
     "gate_proj",
     "up_proj",
@@ -82,12 +84,11 @@ NODES = (
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """M = ``data_parallel`` ranks of N = ``tensor_parallel`` devices; with
-    ``experts_over_all_ranks`` the routed experts split over all M x N devices (planned: no
-    runtime yet, see the module's docstring)."""
+    ``expert_parallel`` the routed experts split over all M x N devices (``--ep``)."""
 
     data_parallel: int
     tensor_parallel: int
-    experts_over_all_ranks: bool = False
+    expert_parallel: bool = False
 
     def __post_init__(self):
         for name in ("data_parallel", "tensor_parallel"):
@@ -100,27 +101,18 @@ class Layout:
         return self.data_parallel * self.tensor_parallel
 
     @property
-    def runnable(self) -> bool:
-        """Whether ``sharding.py`` runs it today (``--dp M --tp N``)."""
-        return not self.experts_over_all_ranks
-
-    @property
     def name(self) -> str:
         """``tp8``, ``dp2xtp4``, ``dp8``, ``dp8+ep`` ..."""
         m, n = self.data_parallel, self.tensor_parallel
         name = f"tp{n}" if m == 1 else f"dp{m}" if n == 1 else f"dp{m}xtp{n}"
-        return name + ("+ep" if self.experts_over_all_ranks else "")
+        return name + ("+ep" if self.expert_parallel else "")
 
     def mesh(self) -> AbstractMesh:
         return AbstractMesh((self.data_parallel, self.tensor_parallel), (DATA_AXIS, TENSOR_AXIS))
 
     def partition_spec(self, path: Sequence[str], ndim: int) -> P:
-        """The parameter's spec: ``sharding.partition_spec``, with the routed experts' expert
-        axis over ``("dp", "tp")`` when they split over all ranks."""
-        spec = sharding.partition_spec(path, ndim)
-        if self.experts_over_all_ranks and tuple(path[-2:]) in _ROUTED_EXPERTS:
-            spec = P(*((DATA_AXIS, TENSOR_AXIS) if axis == TENSOR_AXIS else axis for axis in spec))
-        return spec
+        """The parameter's spec: the runtime's (``sharding.partition_spec``)."""
+        return sharding.partition_spec(path, ndim, self.expert_parallel)
 
     def cache_spec(self) -> P:
         """The cache's spec (``[L, blocks, block_size, C]``): ``sharding.per_data_rank`` on the
@@ -132,8 +124,8 @@ def layouts(devices: int) -> list[Layout]:
     """Every layout of ``devices`` devices: TP over all, each DP M x TP N with M x N =
     ``devices``, and each of those with M > 1 with the routed experts over all ranks."""
     splits = [(m, devices // m) for m in range(1, devices + 1) if devices % m == 0]
-    runnable = [Layout(m, n) for m, n in splits]
-    return runnable + [Layout(m, n, True) for m, n in splits if m > 1]
+    without = [Layout(m, n) for m, n in splits]
+    return without + [Layout(m, n, True) for m, n in splits if m > 1]
 
 
 class Tensor(NamedTuple):
@@ -147,9 +139,10 @@ class Tensor(NamedTuple):
 
 
 def is_fp8_weight(path: Sequence[str]) -> bool:
-    """Whether DeepSeek's FP8 checkpoints store the parameter at ``path`` as FP8 with block
-    scales: every projection of the decoder layers (attention, dense MLP, shared experts)
-    and the routed experts; not the router, norms, embedding or ``lm_head``."""
+    """Whether the runtime keeps the parameter at ``path`` of an FP8 checkpoint as FP8 with
+    block scales (``--fp8-weights keep``): every projection of the decoder layers
+    (attention but ``kv_b_proj``, dense MLP, shared experts) and the routed experts; not
+    ``kv_b_proj`` (dequantized at load), the router, norms, embedding or ``lm_head``."""
     path = tuple(path)
     if path[0] != "layers":
         return False
@@ -310,7 +303,7 @@ def plan(
     nodes = [node for node in nodes if node.devices == devices]
     rows = []
     for layout in layouts(devices):
-        if layout.experts_over_all_ranks and cfg.moe is None:
+        if layout.expert_parallel and cfg.moe is None:
             continue  # no routed experts: the same as its layout without
         for kind, (tensors, blocks) in kinds.items():
             try:
@@ -344,14 +337,10 @@ def plan(
 
 def _check_layout(cfg: ModelConfig, layout: Layout) -> None:
     """ValueError (one line) unless the layout's TP divides what it splits, and its devices
-    the routed experts they split."""
-    sharding.check_divisible(cfg, layout.tensor_parallel)
-    moe = cfg.moe
-    if layout.experts_over_all_ranks and moe is not None and moe.n_routed_experts % layout.devices:
-        raise ValueError(
-            f"{layout.devices} devices do not divide the model's n_routed_experts "
-            f"({moe.n_routed_experts})"
-        )
+    the routed experts they split (``sharding.check_divisible``, as the runtime refuses)."""
+    sharding.check_divisible(
+        cfg, layout.tensor_parallel, layout.data_parallel, layout.expert_parallel
+    )
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -369,14 +358,14 @@ def format_plan(
     requests per node the rows were planned for."""
     nodes = list(dict.fromkeys(name for row in rows for name, _ in row.requests))
     caches = " / ".join(_cache_name(kv) for kv in kv_cache_dtypes)
-    header = ["layout", "runs today", "weights", "weights GiB/device"]
+    header = ["layout", "weights", "weights GiB/device"]
     header += [f"cache bytes/token/device ({caches})", "devices holding a token"]
     header += [f"{request_tokens}-token requests on {node} ({caches})" for node in nodes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [row.layout.name, "yes" if row.layout.runnable else "planned", row.weights]
+        cells = [row.layout.name, row.weights]
         if row.refused:
-            cells += [f"refused: {row.refused}"] + [""] * (len(header) - 4)
+            cells += [f"refused: {row.refused}"] + [""] * (len(header) - 3)
         else:
             cells += [
                 f"{row.weight_bytes / GIB:.1f}",

@@ -30,12 +30,21 @@ ids local to the rank); the parameters are split on ``"tp"`` as above and replic
 (``"tp"`` left to the partitioner), so the kernels' ``shard_map`` over ``"tp"`` nests in it
 (``_heads_mesh``). Each rank runs the MLP / MoE on its own tokens with the weights it holds:
 no collective crosses ``"dp"``.
+
+Expert parallelism over all ranks (``expert_parallel``, ``--dp M --ep``): the routed experts
+(and an FP8 stack's scales) split by expert over ``("dp", "tp")``, so DP rank r's devices
+hold the range ``[r E/M, (r + 1) E/M)``, split among them as TP splits experts; everything
+else as under DP. The runner's ``shard_map`` takes each rank's range (``data_rank_spec``),
+and the MoE layers send the ranks' tokens to it and back (``expert_parallel.py``: an
+all-gather and a reduce-scatter over ``"dp"`` per MoE layer, the only collectives across
+ranks).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 
 import jax
@@ -54,6 +63,9 @@ DATA_AXIS = "dp"
 # axis is never split. Paths not listed are replicated.
 _COLUMNS = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
 _ROWS = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_BY_EXPERT = (TENSOR_AXIS, None, None)  # [E, in, out]: by expert, over a DP rank's devices
+# With expert parallelism: by expert over every device, a DP rank's experts one range.
+_BY_EXPERT_OVER_ALL = ((DATA_AXIS, TENSOR_AXIS), None, None)
 _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("self_attn", "q_proj", "kernel"), _COLUMNS),
     (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
@@ -64,8 +76,8 @@ _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("down_proj", "kernel"), _ROWS),
     (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
     (("lm_head", "kernel"), _COLUMNS),
-    (("experts", "gate_up_proj"), (TENSOR_AXIS, None, None)),  # [E, H, 2I]: by expert
-    (("experts", "down_proj"), (TENSOR_AXIS, None, None)),  # [E, I, H]
+    (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I]
+    (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H]
 )
 # An FP8 weight's block scales (``<name>_scale_inv``, its grid in the weight's layout) split
 # as the weight does.
@@ -119,9 +131,18 @@ def data_parallel(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get(DATA_AXIS, 1)
 
 
-def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
+def check_divisible(
+    cfg: ModelConfig,
+    tensor_parallel: int,
+    data_parallel: int = 1,
+    expert_parallel: bool = False,
+    fp8_blocks: tuple[int, int] | None = None,
+) -> None:
     """Raises ValueError (one line, naming the value) unless ``tensor_parallel`` divides the
-    heads, the MLP widths, the vocabulary and the routed experts that it splits."""
+    heads, the MLP widths, the vocabulary and the routed experts that it splits, with
+    ``expert_parallel`` the ``data_parallel x tensor_parallel`` devices the routed experts,
+    and with FP8 weights kept (``fp8_blocks = (bo, bi)``) each device's share of a split
+    FP8 projection is whole blocks (its scales then split as evenly as it does)."""
     sizes = {
         "num_attention_heads": cfg.mla.num_heads,
         "intermediate_size": cfg.intermediate_size,
@@ -135,14 +156,48 @@ def check_divisible(cfg: ModelConfig, tensor_parallel: int) -> None:
             raise ValueError(
                 f"tensor_parallel={tensor_parallel} does not divide the model's {name} ({size})"
             )
+    devices = data_parallel * tensor_parallel
+    if expert_parallel and cfg.moe is not None and cfg.moe.n_routed_experts % devices:
+        raise ValueError(
+            f"expert parallelism over data_parallel={data_parallel} x tensor_parallel="
+            f"{tensor_parallel} = {devices} devices does not divide the model's "
+            f"n_routed_experts ({cfg.moe.n_routed_experts})"
+        )
+    if fp8_blocks is not None and tensor_parallel > 1:  # (at TP 1 nothing splits)
+        _check_fp8_blocks(cfg, tensor_parallel, fp8_blocks)
 
 
-def partition_spec(path: Sequence[str], ndim: int) -> P:
+def _check_fp8_blocks(cfg: ModelConfig, tensor_parallel: int, fp8_blocks: tuple[int, int]):
+    """The FP8 projections TP splits (``_WEIGHT_RULES``; the routed experts split by expert,
+    on no block): output columns in blocks of ``bo``, input rows in blocks of ``bi``."""
+    bo, bi = fp8_blocks
+    mla = cfg.mla
+    both = math.lcm(bo, bi)  # an MLP's width: gate / up columns, then down rows
+    widths = {
+        "query heads x qk_head_dim": (mla.num_heads * mla.qk_head_dim, bo),
+        "heads x v_head_dim (o_proj's inputs)": (mla.num_heads * mla.v_head_dim, bi),
+        "intermediate_size": (cfg.intermediate_size, both),
+    }
+    if cfg.moe is not None:
+        widths["shared experts' intermediate size"] = (cfg.moe.shared_intermediate_size, both)
+    for name, (width, block) in widths.items():
+        if width % (tensor_parallel * block):
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} splits the model's FP8 {name} ({width}) off "
+                f"its {bo} x {bi} weight blocks (each device's share must be whole blocks of "
+                f"{block})"
+            )
+
+
+def partition_spec(path: Sequence[str], ndim: int, expert_parallel: bool = False) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (nnx state keys, e.g. ``("layers",
-    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes."""
+    "0", "self_attn", "o_proj", "kernel")``) with ``ndim`` axes; with ``expert_parallel``
+    the routed experts (and their FP8 scales) split by expert over ``("dp", "tp")``."""
     path = tuple(path)
     for suffix, spec in _RULES:
         if path[-len(suffix) :] == suffix:
+            if expert_parallel and spec == _BY_EXPERT:
+                spec = _BY_EXPERT_OVER_ALL
             return P(*(None,) * (ndim - len(spec)), *spec)
     return P()
 
@@ -159,23 +214,37 @@ def param_paths(state) -> list[tuple[str, ...]]:
     return paths
 
 
-def param_shardings(state, mesh: Mesh) -> list[NamedSharding]:
+def param_shardings(state, mesh: Mesh, expert_parallel: bool = False) -> list[NamedSharding]:
     """The ``NamedSharding`` of each leaf of an nnx ``state``, in ``jax.tree.flatten``
-    order."""
+    order (``expert_parallel``: see ``partition_spec``)."""
     return [
-        NamedSharding(mesh, partition_spec(path, leaf.ndim))
+        NamedSharding(mesh, partition_spec(path, leaf.ndim, expert_parallel))
         for path, leaf in zip(param_paths(state), jax.tree.leaves(state), strict=True)
     ]
 
 
-def placement(mesh: Mesh):
+def placement(mesh: Mesh, expert_parallel: bool = False):
     """``weights.load_model``'s ``placement``: an nnx parameter path and its number of axes
     -> its ``NamedSharding`` on ``mesh``, so that each device receives only its shards."""
 
     def place(path: Sequence, ndim: int) -> NamedSharding:
-        return NamedSharding(mesh, partition_spec([str(key) for key in path], ndim))
+        spec = partition_spec([str(key) for key in path], ndim, expert_parallel)
+        return NamedSharding(mesh, spec)
 
     return place
+
+
+def data_rank_spec(placed: NamedSharding) -> P:
+    """What a ``shard_map`` manual over ``"dp"`` alone takes as the in_spec of an array
+    placed by ``placed``: its spec with ``"tp"`` left out (the partitioner keeps it), so a
+    routed expert stack split over ``("dp", "tp")`` reaches each DP rank as its own range of
+    experts, and everything else whole."""
+
+    def on_data_axis(axis):
+        names = axis if isinstance(axis, tuple) else (axis,)
+        return DATA_AXIS if DATA_AXIS in names else None
+
+    return P(*(on_data_axis(axis) for axis in placed.spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -219,10 +288,10 @@ def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: 
 
 
 def _by_experts(grouped_matmul, mesh: Mesh):
-    """``grouped_matmul(lhs [M, K], rhs [L * E, K, N], group_sizes [E], group_offset=l * E)``
-    (layer l's experts of a stack of L layers' ``[L, E, K, N]``, reshaped by
-    ``moe.routed_experts``) with the experts split over the mesh; ``lhs``, ``group_sizes``
-    and the result replicated.
+    """``grouped_matmul(lhs [M, K], rhs [L, E, K, N], group_sizes [E], group_offset=l * E)``
+    (layer l's experts of a stack of L layers, as ``moe.routed_experts`` passes them; or
+    ``[L * E, K, N]``) with the experts split over the mesh; ``lhs``, ``group_sizes`` and
+    the result replicated.
 
     Rank r holds experts ``[r E/n, (r + 1) E/n)`` of every layer, whose rows (lhs is sorted
     by expert) are one range of lhs: it rolls that range to the top, multiplies it by its
@@ -237,11 +306,11 @@ def _by_experts(grouped_matmul, mesh: Mesh):
         start = jnp.sum(jnp.where(expert < first, group_sizes, 0))
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
         fp8 = {}
-        if scales is not None:  # this rank's experts' scales, [L * E/n, ...] as their weights
-            fp8 = dict(rhs_scale_inv=scales.reshape(-1, *scales.shape[2:]), blocks=blocks)
+        if scales is not None:  # this rank's experts' scales, [L, E/n, ...] as their weights
+            fp8 = dict(rhs_scale_inv=scales, blocks=blocks)
         out = grouped_matmul(
             jnp.roll(lhs, -start, axis=0),
-            stacked.reshape(-1, *stacked.shape[2:]),  # this rank's [L * E/n, K, N]
+            stacked,  # this rank's [L, E/n, K, N]
             sizes,
             group_offset=layer * num_local,
             **fp8,
@@ -250,11 +319,12 @@ def _by_experts(grouped_matmul, mesh: Mesh):
 
     def by_experts(lhs, rhs, group_sizes, *, group_offset=0, rhs_scale_inv=None, blocks=None):
         num_experts = group_sizes.shape[0]
-        # Back to [L, E, K, N] (undoing routed_experts' free reshape), where E is split.
-        stacked = rhs.reshape(-1, num_experts, *rhs.shape[1:])
+        # [L, E, K, N], where E is split: the model's stack as it is (a reshape of a split
+        # stack would gather it whole), or a flat one's axis unfolded.
+        stacked = rhs.reshape(-1, num_experts, *rhs.shape[-2:])
         scales = None
         if rhs_scale_inv is not None:
-            scales = rhs_scale_inv.reshape(-1, num_experts, *rhs_scale_inv.shape[1:])
+            scales = rhs_scale_inv.reshape(-1, num_experts, *rhs_scale_inv.shape[-2:])
         layer = jnp.asarray(group_offset, jnp.int32) // num_experts
         experts = P(None, TENSOR_AXIS)
         run = jax.shard_map(
@@ -298,8 +368,12 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     )
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
-    # The FP8 projections' matmul runs as it is: XLA gives it whole weights (a split FP8
-    # projection is gathered on each device; TP over FP8 projections is not wrapped yet).
+    # The FP8 projections' matmul runs as it is. The reference (a dequantize and a dot) is
+    # partitioned by XLA like any dot; the Pallas kernel is opaque to it, so under TP XLA
+    # gathers each split FP8 projection and its scales whole onto every device and runs the
+    # whole product there: correct, one projection's whole weight per device at a time, but
+    # the weights cross the devices every step. Wrapping it needs each projection's split at
+    # the call (not done yet); experts (grouped matmul) and TP 1 layouts are unaffected.
     return kernels.KernelSet(
         mla_decode,
         flash_prefill,

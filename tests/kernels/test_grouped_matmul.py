@@ -84,14 +84,17 @@ def test_traced_group_sizes_and_poisoned_unused_groups(rng):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < 1e-6
 
 
+@pytest.mark.parametrize("layers_axis", [False, True], ids=["flat", "layers-axis"])
 @pytest.mark.parametrize("impl", list(KERNELS))
-def test_group_offset_reads_only_its_layer(impl, rng):
-    """Groups offset into a stacked ``rhs`` (three layers of 4 experts, the middle layer's
-    used, the offset traced as under a scan): the other layers' matrices are NaN and must not
-    reach the output."""
+def test_group_offset_reads_only_its_layer(impl, layers_axis, rng):
+    """Groups offset into a stacked ``rhs`` (three layers of 4 experts, ``[12, K, N]`` or
+    ``[3, 4, K, N]`` as the model passes them, the middle layer's used, the offset traced as
+    under a scan): the other layers' matrices are NaN and must not reach the output."""
     sizes = [3, 0, 9, 1]
     lhs, rhs, group_sizes = _inputs(rng, 16, 32, 24, sizes)
     stacked = jnp.full((12, 32, 24), jnp.nan).at[4:8].set(rhs)
+    if layers_axis:
+        stacked = stacked.reshape(3, 4, 32, 24)
     got = jax.jit(lambda offset: KERNELS[impl](lhs, stacked, group_sizes, group_offset=offset))(
         jnp.int32(4)
     )

@@ -7,15 +7,13 @@ JAX fixes its device count when it is imported, so the test runs this file in a 
 
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAX_PLATFORMS=cpu``. The
 job holds a config.json dict, the layouts ``[data_parallel, tensor_parallel,
-experts_over_all_ranks]``, a block size and the tokens each DP rank's cache holds.
+expert_parallel]``, a block size and the tokens each DP rank's cache holds.
 
-Placed as the runtime places them: the parameters by ``sharding.param_shardings`` on
-``sharding.make_mesh`` (the runner's), the cache by ``init_cache(..., sharding=
-sharding.per_data_rank(mesh, axis=1))`` (the engine's). FP8 weights and the layouts with the
-routed experts over all ranks have no runtime yet: here every decoder kernel but the router's and
-routed expert stack becomes float8_e4m3fn zeros plus a float32 grid of one scale per block
-(the routed gate_up_proj: gate's grid beside up's), placed as its weight; the routed experts
-of an all-ranks layout split on their expert axis over ``("dp", "tp")``.
+Built and placed as the runtime builds and places them: the model in bf16, and with the FP8
+checkpoint's weights kept (``DeepseekModel``'s ``fp8_blocks``, as ``load_model(...,
+fp8_weights="keep")`` makes it: FP8 weights with their block scales, ``kv_b_proj`` in bf16);
+the parameters by ``sharding.param_shardings`` on ``sharding.make_mesh`` (the runner's), the
+cache by ``init_cache(..., sharding=sharding.per_data_rank(mesh, axis=1))`` (the engine's).
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mla_jax.cache.latent_cache import cache_dtype, init_cache
 from mla_jax.checkpoint.hf_config import config_from_dict
@@ -46,53 +42,30 @@ def _per_device(arrays) -> list[int]:
     return [counts[device.id] for device in jax.devices()]
 
 
-def _is_fp8(path: tuple[str, ...]) -> bool:
-    """A decoder layer's kernel (not the router's, ``mlp.gate``) or a routed expert stack."""
-    kernel = path[-1] == "kernel" and path[-2:] != ("gate", "kernel")
-    return path[0] == "layers" and (kernel or path[-2] == "experts")
-
-
-def _scale_grid(path, shape, block) -> tuple[int, ...]:
-    """One scale per ``block = (rows of HF's [out, in], columns)`` of the weight; the
-    parameter is ``[..., in, out]``."""
-    block_out, block_in = block
-    *lead, n_in, n_out = shape
-    if path[-2:] == ("experts", "gate_up_proj"):  # [gate | up] columns, a grid each
-        return (*lead, -(-n_in // block_in), 2 * -(-(n_out // 2) // block_out))
-    return (*lead, -(-n_in // block_in), -(-n_out // block_out))
-
-
 def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     cfg = config_from_dict(job["config"])
-    block = tuple(job["config"]["quantization_config"]["weight_block_size"])
-    model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    state = nnx.split(model)[1]
-    paths, leaves = sharding.param_paths(state), jax.tree.leaves(state)
+    states = {
+        kind: nnx.split(
+            DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+        )[1]
+        for kind, blocks in (("bfloat16", None), ("fp8", cfg.quantization.weight_block_size))
+    }
     result = {}
-    for data_parallel, tensor_parallel, all_ranks in job["layouts"]:
+    for data_parallel, tensor_parallel, expert_parallel in job["layouts"]:
         mesh = sharding.make_mesh(tensor_parallel, data_parallel)
-        placements = sharding.param_shardings(state, mesh)
-        if all_ranks:
-            placements = [
-                NamedSharding(mesh, P(None, ("dp", "tp"), None, None))
-                if path[-2] == "experts"
-                else placement
-                for path, placement in zip(paths, placements, strict=True)
+        placed = {
+            kind: [
+                jax.device_put(leaf, placement)
+                for leaf, placement in zip(
+                    jax.tree.leaves(state),
+                    sharding.param_shardings(state, mesh, expert_parallel),
+                    strict=True,
+                )
             ]
-        bf16 = [
-            jax.device_put(leaf, placement)
-            for leaf, placement in zip(leaves, placements, strict=True)
-        ]
-        fp8 = []
-        for path, leaf, placement in zip(paths, leaves, placements, strict=True):
-            if not _is_fp8(path):
-                fp8.append(jax.device_put(leaf, placement))
-                continue
-            fp8.append(jnp.zeros(leaf.shape, jnp.float8_e4m3fn, device=placement))
-            grid = _scale_grid(path, leaf.shape, block)
-            fp8.append(jnp.ones(grid, jnp.float32, device=placement))
+            for kind, state in states.items()
+        }
         blocks = data_parallel * math.ceil(job["tokens_per_rank"] / job["block_size"])
         caches = {
             kv: jax.tree.leaves(
@@ -108,15 +81,15 @@ def main(job_path: str, result_path: str) -> None:
             )
             for kv in ("auto", "fp8")
         }
+        paths = sharding.param_paths(states["bfloat16"])
         experts = next(
             array
-            for path, array in zip(paths, bf16, strict=True)
+            for path, array in zip(paths, placed["bfloat16"], strict=True)
             if path[-2:] == ("experts", "down_proj")
         )
-        key = f"{data_parallel}/{tensor_parallel}/{int(all_ranks)}"
+        key = f"{data_parallel}/{tensor_parallel}/{int(expert_parallel)}"
         result[key] = {
-            "bfloat16": _per_device(bf16),
-            "fp8": _per_device(fp8),
+            **{kind: _per_device(arrays) for kind, arrays in placed.items()},
             "cache": {kv: _per_device(parts) for kv, parts in caches.items()},
             "experts_per_device": sorted(s.data.shape[1] for s in experts.addressable_shards),
         }

@@ -14,7 +14,9 @@ under ``shard_map`` at ``inspect_tp`` (heads or experts split). The job's ``dp_r
 (checkpoint, data_parallel, tensor_parallel, impl, decode window) run with ``dp_flags``; for
 the ``inspect`` checkpoint at ``dp_inspect`` (data_parallel, tensor_parallel) the result
 holds the cache's placement, each step's requests per DP rank and the collectives with their
-device groups.
+device groups. The job's ``ep_runs`` (checkpoint, data_parallel, tensor_parallel, decode
+window, ``--fp8-weights``) run with ``dp_flags`` and ``--ep`` (the routed experts over all
+devices): the result holds each one's tokens, parameter placements and collectives.
 The job's ``prefix`` runs its waves of prompts (one ``generate`` call each) on one engine with
 prefix caching, its flags and (data_parallel, tensor_parallel): the result holds each
 request's tokens, the DP rank it joined and each wave's cached prompt tokens. The test file
@@ -45,6 +47,10 @@ _COLLECTIVE = re.compile(
     r"(?:-start)?\("
 )
 _SHAPE = re.compile(r"[a-z]+[0-9]*\[[0-9,]*\]")
+_REPLICA_GROUPS = re.compile(
+    r"replica_groups=(\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)"
+)
+_IOTA_GROUPS = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 
 def _placement(array: jax.Array) -> dict:
@@ -88,27 +94,48 @@ def _inspect(path: str, tensor_parallel: int) -> dict:
     }
 
 
-def _collectives(programs) -> list[list[str]]:
-    """``[op, result shape, replica groups]`` of each collective of compiled ``programs``."""
+def _collectives(programs) -> list[list]:
+    """``[op, result shape, replica groups]`` of each collective of compiled ``programs``;
+    the groups as a string ``{{0,2},{1,3}}`` (XLA prints them so or as an iota list)."""
     collectives = []
     for program in programs:
         for line in program.as_text().splitlines():
             if match := _COLLECTIVE.search(line):
-                groups = re.search(r"replica_groups=(\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\])", line)
+                groups = _REPLICA_GROUPS.search(line)
+                groups = groups and _explicit_groups(groups.group(1))
                 for shape in _SHAPE.findall(match.group(1)):
-                    collectives.append([match.group(2), shape, groups and groups.group(1)])
+                    collectives.append([match.group(2), shape, groups])
     return collectives
 
 
-def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: int) -> dict:
-    """A data-parallel run of ``flags``' prompts: each step's ``[decodes, prompt chunks]``
-    per DP rank, the cache's placement and the collectives of the programs."""
+def _explicit_groups(text: str) -> str:
+    """Replica groups as XLA's explicit list, from either form it prints: ``{{0,2},{1,3}}``
+    as it is, or an iota list ``[2,2]<=[2,2]T(1,0)`` (the devices ``arange(4).reshape(2,
+    2).transpose(1, 0)`` in rows of 2)."""
+    iota = _IOTA_GROUPS.fullmatch(text)
+    if iota is None:
+        return text
+    shape, dims, perm = (g and [int(v) for v in g.split(",")] for g in iota.groups())
+    devices = np.arange(np.prod(dims)).reshape(dims).transpose(perm).reshape(shape)
+    return "{" + ",".join("{" + ",".join(map(str, row)) + "}" for row in devices) + "}"
+
+
+def _run_data_parallel(path: str, flags: list[str]) -> dict:
+    """A data-parallel run of ``flags``' prompts (``generate.py``'s flags, ``--dp`` among
+    them), its parameters loaded to their shards as ``generate.py`` loads them: the tokens,
+    each step's ``[decodes, prompt chunks]`` per DP rank, the placements of the cache and
+    of every parameter, and the collectives of the programs."""
     generate = generate_script()
     parser = generate._parser()
-    argv = ["--model", path, *flags, "--dp", str(data_parallel), "--tp", str(tp)]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(["--model", path, *flags])
     prompts = args.prompt_ids
-    _, model = load_model(path)
+    mesh = sharding.make_mesh(args.tp, args.dp)
+    _, model = load_model(
+        path,
+        dtype=jnp.dtype(args.dtype),
+        placement=sharding.placement(mesh, args.ep),
+        fp8_weights=args.fp8_weights,
+    )
     engine = Engine(model, generate._engine_config(parser, args, prompts), log=lambda _: None)
     runner = engine.runner
     per_rank = []
@@ -126,11 +153,13 @@ def _inspect_data_parallel(path: str, flags: list[str], data_parallel: int, tp: 
     engine._launch = recording_launch
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     engine.generate(requests)
+    paths = ["/".join(path) for path in sharding.param_paths(nnx.split(model)[1])]
     return {
-        "dp_tokens": [req.output_ids for req in requests],
-        "dp_requests_per_rank": per_rank,
-        "dp_cache": _placement(runner.cache),
-        "dp_collectives": _collectives(runner.programs.values()),
+        "tokens": [req.output_ids for req in requests],
+        "requests_per_rank": per_rank,
+        "cache": _placement(runner.cache),
+        "params": {p: _placement(a) for p, a in zip(paths, runner.params, strict=True)},
+        "collectives": _collectives(runner.programs.values()),
     }
 
 
@@ -231,13 +260,23 @@ def main(job_path: str, result_path: str) -> None:
         tokens[key] = [output["generated_ids"] for output in result["outputs"]]
     inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
     errors = _kernel_errors(job["inspect_tp"], job["seed"])
-    inspected.update(
-        _inspect_data_parallel(
-            job["checkpoints"][job["inspect"]],
-            [*job["dp_flags"], "--impl", "reference"],
-            *job["dp_inspect"],
-        )
+    dp_tensor_parallel = ["--dp", str(job["dp_inspect"][0]), "--tp", str(job["dp_inspect"][1])]
+    data_parallel = _run_data_parallel(
+        job["checkpoints"][job["inspect"]],
+        [*job["dp_flags"], "--impl", "reference", *dp_tensor_parallel],
     )
+    inspected.update({f"dp_{key}": value for key, value in data_parallel.items()})
+    expert_parallel = {}
+    for name, data_parallel, tensor_parallel, window, fp8_weights in job["ep_runs"]:
+        argv = [*job["dp_flags"], "--impl", "reference", "--decode-window", str(window)]
+        argv += ["--fp8-weights", fp8_weights, "--ep"]
+        argv += ["--dp", str(data_parallel), "--tp", str(tensor_parallel)]
+        start = time.perf_counter()
+        key = f"{name}/dp{data_parallel}xtp{tensor_parallel}/window{window}/{fp8_weights}"
+        run = _run_data_parallel(job["checkpoints"][name], argv)
+        expert_parallel[key] = {k: run[k] for k in ("tokens", "params", "collectives")}
+        print(f"{key} --ep: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    inspected["ep"] = expert_parallel
     if "prefix" in job:
         prefix = job["prefix"]
         inspected.update(

@@ -114,8 +114,9 @@ def test_plan_equals_materialized_bytes(materialized, layout):
 
 def _v3_formulas(d: dict) -> dict[str, np.float64]:
     """DeepSeek-V3's parameters and FP8 checkpoint bytes from its config.json, in float64:
-    ``parameters``, and on one device ``fp8`` (FP8 projections + float32 128 x 128 block
-    scales + the rest in bf16, the router's bias in float32) and ``bf16``."""
+    ``parameters``, and on one device ``fp8`` (as ``--fp8-weights keep`` holds them: FP8
+    projections + float32 128 x 128 block scales + the rest in bf16, ``kv_b_proj``
+    included, the router's bias in float32) and ``bf16``."""
     f = np.float64
     h, n, vocab = f(d["hidden_size"]), f(d["num_attention_heads"]), f(d["vocab_size"])
     lq, lkv = f(d["q_lora_rank"]), f(d["kv_lora_rank"])
@@ -129,8 +130,9 @@ def _v3_formulas(d: dict) -> dict[str, np.float64]:
         return f(math.ceil(out / bo) * math.ceil(inp / bi))
 
     # [out, in] of each projection: attention, a dense MLP, an expert (or the shared ones).
-    attention = [(lq, h), (n * (nope + rope), lq), (lkv + rope, h), (n * (nope + v), lkv)]
-    attention.append((h, n * v))
+    # kv_b_proj [N (P + V), Lkv] stays in bf16 (dequantized at load: MLAAttention).
+    attention = [(lq, h), (n * (nope + rope), lq), (lkv + rope, h), (h, n * v)]
+    kv_b_proj = n * (nope + v) * lkv * layers
     mlp = [(f(d["intermediate_size"]), h)] * 2 + [(h, f(d["intermediate_size"]))]
     expert = [(inter, h)] * 2 + [(h, inter)]
     shared_mlp = [(shared, h)] * 2 + [(h, shared)]
@@ -144,7 +146,8 @@ def _v3_formulas(d: dict) -> dict[str, np.float64]:
     fp8_values = sum(out * inp * count for (out, inp), count in fp8_matrices)
     fp8_scales = sum(scales(out, inp) * count for (out, inp), count in fp8_matrices)
     norms = layers * (lq + lkv + 2 * h) + h
-    bf16_rest = 2 * vocab * h + norms + moe_layers * h * experts  # embedding, lm_head, router
+    # embedding, lm_head, router, kv_b_proj
+    bf16_rest = 2 * vocab * h + norms + moe_layers * h * experts + kv_b_proj
     bias = moe_layers * experts  # e_score_correction_bias, float32
     parameters = fp8_values + bf16_rest + bias
     return {
@@ -191,7 +194,11 @@ def test_v3_plan_on_8_gpus():
     fit_h200 = {key for key, row in rows.items() if row.requests["8 x H200", "auto"]}
     assert fit_h200 == {(name, "fp8") for name in ("tp8", "dp2xtp4+ep", "dp4xtp2+ep", "dp8+ep")}
     assert all(row.requests["8 x H100", "auto"] is None for row in rows.values())
-    assert not rows["dp8+ep", "fp8"].layout.runnable and rows["dp8", "fp8"].layout.runnable
+    # The README's table is this plan as generate.py --plan-only prints it.
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = memory_plan.format_plan(list(rows.values()), request_tokens=4096)
+    assert "\n" + table + "\n" in readme
 
 
 def test_fp8_weight_split_off_block_edges_is_refused():

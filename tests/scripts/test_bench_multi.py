@@ -48,17 +48,28 @@ def test_device_and_collective_time_per_step():
 
 
 def test_modes():
-    modes = bench_multi._modes("tp1,tp2, tp8,dp2,dp4,dp2xtp2")
-    assert [(m.data_parallel, m.tensor_parallel) for m in modes] == [
-        (1, 1),
-        (1, 2),
-        (1, 8),
-        (2, 1),
-        (4, 1),
-        (2, 2),
+    modes = bench_multi._modes("tp1,tp2, tp8,dp2,dp4,dp2xtp2,dp2+ep,dp2xtp2+ep")
+    assert modes == [
+        (1, 1, False),
+        (1, 2, False),
+        (1, 8, False),
+        (2, 1, False),
+        (4, 1, False),
+        (2, 2, False),
+        (2, 1, True),
+        (2, 2, True),
     ]
-    assert [m.label for m in modes] == ["1 GPU", "TP 2", "TP 8", "DP 2", "DP 4", "DP 2 x TP 2"]
-    assert [m.devices for m in modes] == [1, 2, 8, 2, 4, 4]
-    for bad in ("dp0", "tp0", "dp2tp2", "tp2xdp2", "x", ""):
+    assert [m.label for m in modes] == [
+        "1 GPU",
+        "TP 2",
+        "TP 8",
+        "DP 2",
+        "DP 4",
+        "DP 2 x TP 2",
+        "DP 2 + EP",
+        "DP 2 x TP 2 + EP",
+    ]
+    assert [m.devices for m in modes] == [1, 2, 8, 2, 4, 4, 2, 4]
+    for bad in ("dp0", "tp0", "dp2tp2", "tp2xdp2", "tp2+ep", "dp2+", "x", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="want tpN, dpM or dpMxtpN"):
             bench_multi._modes(bad)
