@@ -47,7 +47,7 @@ def _usage_error(capsys, argv: list[str]) -> str:
         (["--temperature", "-1"], "argument --temperature: want a number >= 0, got '-1'"),
         (["--temperature", "nan"], "argument --temperature: want a number >= 0"),
         (["--block-size", "32", "--workspace-size", "16"], "workspace_size (16) must hold"),
-        (["--impl", "triton"], "argument --impl: invalid choice: 'triton'"),
+        (["--impl", "cuda"], "argument --impl: invalid choice: 'cuda'"),
         (["--decode-window", "0"], "argument --decode-window: want an integer >= 1, got '0'"),
     ],
 )
