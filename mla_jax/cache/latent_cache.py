@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from mla_jax.kernels import fp8
 
@@ -134,12 +135,17 @@ def as_stored(
     A prefill's new tokens attend these, so that every read of a token's latent, in its own
     chunk or later from the cache, sees one value: a request's tokens do not depend on how
     its prompt was chunked or whether it was recomputed after a preemption."""
+    # The stored values pass an optimization barrier: XLA on GPUs removes a narrowing
+    # convert followed by a widening one (xla_allow_excess_precision's
+    # SimplifyFPConversions), which would hand the prefill its unrounded latents.
     if isinstance(cache, fp8.Fp8Cache):
-        values, scales = fp8.quantize(kv_c)
-        row = fp8.dequantize(values, k_pe.astype(cache.k_pe.dtype), scales)
+        values, scales = lax.optimization_barrier(fp8.quantize(kv_c))
+        rope = lax.optimization_barrier(k_pe.astype(cache.k_pe.dtype))
+        row = fp8.dequantize(values, rope, scales)
         lkv = kv_c.shape[-1]
         return row[..., :lkv].astype(kv_c.dtype), row[..., lkv:].astype(k_pe.dtype)
-    return kv_c.astype(cache.dtype).astype(kv_c.dtype), k_pe.astype(cache.dtype).astype(k_pe.dtype)
+    stored = lax.optimization_barrier((kv_c.astype(cache.dtype), k_pe.astype(cache.dtype)))
+    return stored[0].astype(kv_c.dtype), stored[1].astype(k_pe.dtype)
 
 
 def _scatter(
