@@ -35,3 +35,15 @@ def device_unsupported() -> str | None:
         # interpret mode runs on 0.11 and 0.12.
         return f"on jax {jax.__version__} compiled (they run on 0.11)"
     return None
+
+
+def kernel_options(config, interpret: bool) -> dict:
+    """``plgpu.kernel``'s compile and interpret options from a Mosaic GPU kernel's frozen
+    config (its ``approx_math`` and ``auto_barriers``)."""
+    return dict(
+        compiler_params=plgpu.CompilerParams(
+            approx_math=config.approx_math,
+            unsafe_no_auto_barriers=not config.auto_barriers,
+        ),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )

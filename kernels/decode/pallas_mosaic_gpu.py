@@ -290,11 +290,7 @@ def _decode_call(
         grid_names=("h", "p"),
         num_threads=NUM_WARPGROUPS,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=config.approx_math,
-            unsafe_no_auto_barriers=not config.auto_barriers,
-        ),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **mosaic_gpu.kernel_options(config, interpret),
     )
     return kernel(
         schedule.prog_items,

@@ -311,11 +311,7 @@ def _prefill_call(
         grid_names=("t", "h"),
         num_threads=NUM_CONSUMERS + int(config.producer_warpgroup),
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=config.approx_math,
-            unsafe_no_auto_barriers=not config.auto_barriers,
-        ),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **mosaic_gpu.kernel_options(config, interpret),
     )
     return kernel(
         schedule.tile_segment,
