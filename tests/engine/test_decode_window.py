@@ -301,16 +301,19 @@ def test_host_work_once_a_window(tiny, rng, monkeypatch):
 
 
 def test_window_loops_have_known_trip_counts(tiny, rng):
-    """Every loop of a window program (the window's steps, the layers' scan) runs a trip
-    count XLA knows: its GPU runtime runs a loop of unknown trip count by copying the
-    condition to the host and waiting for it each iteration, which holds the host in the
-    window's launch until the device has run it."""
+    """Every loop of the programs (a window's steps, the layers' scan) runs a trip count
+    XLA knows, and a window branches nowhere: XLA's GPU runtime runs a loop of unknown trip
+    count, or a conditional, by copying the condition to the host and waiting for it, which
+    would hold the host in the window's launch until the device has run it."""
     engine = _tiny_engine(tiny, 4)
     engine.generate([Request(rng.integers(0, 512, 6).tolist(), 5, ignore_eos=True)])
     assert _windows(engine) == 1
     for layout, program in engine.runner.programs.items():
-        loops = [line for line in program.as_text().splitlines() if " while(" in line]
+        lines = program.as_text().splitlines()
+        loops = [line for line in lines if " while(" in line]
         assert loops and all("known_trip_count" in line for line in loops), layout.steps
+        if layout.steps > 1:
+            assert not any(" conditional(" in line for line in lines)
 
 
 def test_bad_window():
