@@ -5,8 +5,10 @@ Rows: decode-heavy (batch 1, 16, 64, 256 at contexts 512 and 4096), prefill-heav
 mixed ragged workload (64 requests arriving together, prompts 100-4000, 1-256 new tokens)
 with time to first token and inter-token latency. Per row: tokens/s, the decode step's wall
 time (median interval between step launches, unprofiled run), its device time (GPU kernel
-time per step from a CUPTI trace of a second run) and host time (scheduling, metadata and
-launch), the memory roofline and the ratio to it, programs compiled and compile seconds.
+time per step from a CUPTI trace of a second run), the host's time split into work
+(scheduling, metadata, launch, giving out tokens; the program call apart) and waiting for the
+device's tokens, the memory roofline and the ratio to it, programs compiled and compile
+seconds.
 A second table gives compile seconds per program against depth (2, 27, 61 layers).
 
 Decode rows start from requests whose context is already in the cache (zero rows, written
@@ -94,12 +96,15 @@ MODELS = {
         mla=preset("deepseek-v3"),
     ),
 }
-# The columns of a serving row: throughput and the decode step against its roofline.
+# The columns of a serving row: throughput, the decode step's wall time and how the host
+# spent it, and the step against its roofline.
 STEP_COLUMNS = [
     "tokens/s",
     "step wall ms",
     "device ms",
     "host ms",
+    "call ms",
+    "wait ms",
     "host ms, 1 step",
     "roofline ms",
     "wall / roofline",
@@ -187,7 +192,7 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     decode_rows=((1, 16), (4, 16)),
-    decode_steps=16,
+    decode_steps=24,  # 3 windows of 8: 1 steady
     profiled_steps=2,
     prefill=(2, 24),
     mixed=(3, 4, 24, 4),
@@ -273,10 +278,20 @@ def _cache_bytes_per_token(engine: Engine) -> float:
     return total / (engine.cfg.num_blocks * engine.cfg.block_size)
 
 
-def _timed_decode(engine, batch, context, sizes: Sizes) -> tuple[float, float, float]:
-    """Wall seconds of ``sizes.decode_steps`` decode steps of ``batch`` requests at
-    ``context``, and the median step's wall and host milliseconds per decode step (a
-    window's over its steps)."""
+class DecodeTimes(NamedTuple):
+    """A decode row's timed run: its wall seconds, and medians in milliseconds per decode
+    step (a window's over its steps) of the launch interval and of the host's time in it
+    (``engine.StepRecord``: working, of which calling the program, and waiting)."""
+
+    wall_s: float
+    step_ms: float
+    host_ms: float
+    call_ms: float
+    wait_ms: float
+
+
+def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
+    """``sizes.decode_steps`` decode steps of ``batch`` requests at ``context``, timed."""
     stats = engine.stats
     before = len(stats.step_records)
     _decode_requests(engine, batch, context, sizes.decode_steps)
@@ -284,19 +299,28 @@ def _timed_decode(engine, batch, context, sizes: Sizes) -> tuple[float, float, f
     engine.generate([])
     wall_s = time.perf_counter() - t0
     records = stats.step_records[before:]
-    # The first launch's interval is from the previous row's; steps after it may compile
-    # (excluded from both times). A steady step's wall time is the launch interval.
-    steady = records[3 if engine.decode_window == 1 else 1 :]
-    step_ms = float(np.median([r.interval_s / r.steps for r in steady])) * 1e3
-    host_ms = float(np.median([r.host_s / r.steps for r in steady])) * 1e3
-    return wall_s, step_ms, host_ms
+    # The first launch's interval is from the previous row's, and the second's holds no
+    # token read (the first step is still in flight); single steps after them may compile
+    # (excluded from every time). A steady step's wall time is the launch interval.
+    steady = records[3 if engine.decode_window == 1 else 2 :]
+
+    def median_ms(field: str) -> float:
+        return float(np.median([getattr(r, field) / r.steps for r in steady])) * 1e3
+
+    return DecodeTimes(
+        wall_s,
+        median_ms("interval_s"),
+        median_ms("host_s"),
+        median_ms("call_s"),
+        median_ms("wait_s"),
+    )
 
 
 def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
-    wall_s, step_ms, host_ms = _timed_decode(engine, batch, context, sizes)
+    times = _timed_decode(engine, batch, context, sizes)
     window = engine.decode_window
     engine.decode_window = 1  # the same steps one at a time: the host's work they save
-    _, _, single_host_ms = _timed_decode(engine, batch, context, sizes)
+    single = _timed_decode(engine, batch, context, sizes)
     engine.decode_window = window
 
     def profiled():
@@ -310,15 +334,24 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
     return {
         "cells": [
             f"decode {batch} x {context}",
-            round(batch / step_ms * 1e3, 1),
-            round(step_ms, 3),
+            round(batch / times.step_ms * 1e3, 1),
+            round(times.step_ms, 3),
             round(device_ms, 3),
-            round(host_ms, 3),
-            round(single_host_ms, 3),
+            round(times.host_ms, 3),
+            round(times.call_ms, 3),
+            round(times.wait_ms, 3),
+            round(single.host_ms, 3),
             round(roofline_ms, 3),
-            round(step_ms / roofline_ms, 2),
+            round(times.step_ms / roofline_ms, 2),
         ],
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(times.wall_s, 3),
+        # The same steps one at a time: how their host time divides.
+        "single_steps_ms": {
+            "step": round(single.step_ms, 3),
+            "host": round(single.host_ms, 3),
+            "call": round(single.call_ms, 3),
+            "wait": round(single.wait_ms, 3),
+        },
         "device_kernels_ms": kernels,
     }
 
@@ -425,8 +458,8 @@ def _kv_cache_comparison(
             f"GB, {sizes.engine['num_blocks']} blocks of {page}); a request of "
             f"{capacity_tokens} tokens takes {blocks_per_request} blocks. Bytes per token are "
             "those of the engine's cache arrays.",
-            "Step wall, device, host and roofline as in the serving table (roofline: weights + "
-            "the KV bytes of the layout).",
+            "Step wall, device, host, call, wait and roofline as in the serving table "
+            "(roofline: weights + the KV bytes of the layout).",
         ],
         extra={"model": dataclasses.asdict(model_cfg), "machine": machine()},
         out_dir=out_dir,
@@ -730,11 +763,16 @@ def main(argv: list[str] | None = None) -> None:
         f"random bf16 weights, page {sizes.page}, {sizes.kernels} kernels, asynchronous "
         "scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
-        "time per step (CUPTI trace of a second run of the same steps); host: scheduling + "
-        "metadata + launch per step. Decode steps run in windows of "
-        f"{args.decode_window} steps (one device program, tokens read once a window; wall and "
-        "host per step: a window's over its steps); host ms, 1 step: the same steps run one "
-        "at a time.",
+        "time per step (CUPTI trace of a second run of the same steps). The wall divides into "
+        "host (the host working: giving out the tokens of an earlier step, scheduling, "
+        "metadata, launch) and wait (the host blocked reading an earlier step's tokens, the "
+        "device still running); call: of host, the compiled program's call (the input's "
+        "transfer and the kernels' launches; more means the call itself waited for the "
+        "device; earlier tables' host held a window's launch waiting for the device, its loop's "
+        "condition read to the host each step). Decode steps run in windows of "
+        f"{args.decode_window} steps (one device program, tokens read once a window; times "
+        "per step: a window's over its steps); host ms, 1 step: the same steps run one at a "
+        "time (their call and wait in the JSON's single_steps_ms).",
         f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
         "the embedding table"
         + (

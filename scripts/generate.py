@@ -462,8 +462,9 @@ def _summary(stats: dict) -> str:
         f"tokens, {stats['tokens_per_s']} tok/s after "
         f"{stats['compile_s']} s on {stats['programs']} programs "
         f"({stats['programs_from_cache']} from the compilation cache); first token after "
-        f"{first} s; decode step {stats['decode_step_ms']} ms (host "
-        f"{stats['decode_host_ms']} ms) over {stats['decode_steps']} decode-only steps"
+        f"{first} s; decode step {stats['decode_step_ms']} ms (host working "
+        f"{stats['decode_host_ms']} ms, waiting {stats['decode_wait_ms']} ms) over "
+        f"{stats['decode_steps']} decode-only steps"
     )
 
 

@@ -165,9 +165,13 @@ class EngineConfig:
 
 class StepRecord(NamedTuple):
     """One step (or window: ``shape.steps`` decode steps) as the host saw it: its tokens,
-    its shape, ``host_s`` (scheduling, building and launching it, compilation excluded) and
-    ``interval_s`` (since the previous step's launch: in a steady run, the step's wall
-    time)."""
+    its shape, ``interval_s`` (since the previous step's launch: in a steady run, the step's
+    wall time), and how the host spent that interval: ``host_s`` working (giving out an
+    earlier step's tokens, scheduling, building and launching this one), of which
+    ``call_s`` in the compiled program's call, and ``wait_s`` blocked reading an earlier
+    step's tokens (the device still running it). Compilation is in none of them; without
+    it, interval = host + wait (the first launch of a call: host since its scheduling began,
+    interval 0)."""
 
     decodes: int
     prefill_tokens: int
@@ -175,6 +179,8 @@ class StepRecord(NamedTuple):
     host_s: float
     interval_s: float
     steps: int = 1  # decode steps it runs: a window's longest request's (EOS may end it early)
+    call_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -224,6 +230,7 @@ class Stats:
             # Per decode step: a window's time over its steps.
             "decode_step_ms": _median_ms([r.interval_s / r.steps for r in decode_steps[1:]]),
             "decode_host_ms": _median_ms([r.host_s / r.steps for r in decode_steps]),
+            "decode_wait_ms": _median_ms([r.wait_s / r.steps for r in decode_steps]),
             "programs": len(self.buckets),
             "programs_from_cache": self.programs_from_cache,
             "preemptions": self.preemptions,
@@ -337,6 +344,9 @@ class Engine:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats = Stats()
         self._last_launch: float | None = None
+        # Seconds the host has blocked reading sampled tokens, in all and by the last launch:
+        # not host work (StepRecord).
+        self.waited_s = self._waited_at_launch = 0.0
 
     # -- requests ----------------------------------------------------------------------
 
@@ -428,28 +438,38 @@ class Engine:
         self.stats.compiled += output.compiled
         entries = [entry for rank_scheduled in scheduled for entry in rank_scheduled]
         decodes = sum(entry.is_decode for entry in entries)
-        interval = 0.0 if self._last_launch is None else now - self._last_launch - compile_s
+        # The host's time since the previous launch (the first: since its scheduling began,
+        # with no step in flight to wait for).
+        interval = waited = 0.0
+        since = started
+        if self._last_launch is not None:
+            since = self._last_launch
+            interval = now - since - compile_s
+            waited = self.waited_s - self._waited_at_launch
         self.stats.step_records.append(
             StepRecord(
                 decodes,
                 sum(entry.count for entry in entries) - decodes,
                 output.shape,
-                now - started - compile_s,
+                now - since - compile_s - waited,
                 interval,
                 max((entry.steps for entry in entries), default=1),
+                output.call_s,
+                waited,
             )
         )
-        self._last_launch = now
+        self._last_launch, self._waited_at_launch = now, self.waited_s
         return InFlight(scheduled, output)
 
     def _collect(self, in_flight: InFlight, t_start: float) -> None:
         """Reads a step's (or window's) sampled tokens, waiting for it, and gives them to its
         requests."""
         output = in_flight.output
-        tokens, counts = window_tokens(
-            np.asarray(output.tokens), len(in_flight.scheduled), output.shape.steps
-        )
+        start = time.perf_counter()
+        tokens = np.asarray(output.tokens)  # blocks until the device has run the step
         now = time.perf_counter()
+        self.waited_s += now - start
+        tokens, counts = window_tokens(tokens, len(in_flight.scheduled), output.shape.steps)
         for rank, (batch, rows) in enumerate(zip(in_flight.scheduled, output.rows, strict=True)):
             for entry, row in zip(batch, rows, strict=True):
                 req = entry.request
@@ -556,7 +576,8 @@ class Engine:
                     prompt_len = len(req.prompt_ids)
                     self.stats.prompt_tokens += max(min(start + count, prompt_len) - start, 0)
                 launched = self._launch(batches, in_flight, started, steps=steps)
-            elif in_flight is None:
+            elif in_flight is None and any(s.has_work for s in schedulers):
+                # (With no work left, the window _next_steps read finished every request.)
                 free = [s.block_manager.num_free for s in schedulers]
                 raise CacheFullError(f"no request can be scheduled: {sum(free)} free blocks")
             if in_flight is not None:  # the device already has the next step, if any
@@ -579,11 +600,16 @@ class Engine:
     def _next_steps(
         self, in_flight: InFlight | None, t_start: float
     ) -> tuple[int, InFlight | None]:
-        """The next step's decode steps (a window where every rank can run one) and what
-        stays in flight: a single step after a window reads the window's tokens first, as
-        it may start, preempt or recompute a request with several of them pending."""
-        steps = self.decode_window
-        if steps > 1 and all(s.can_run_window(steps) for s in self.schedulers):
+        """The next step's decode steps (a window where every rank can run one and some
+        request takes all its steps) and what stays in flight: a single step after a window
+        reads the window's tokens first, as it may start, preempt or recompute a request with
+        several of them pending."""
+        steps, schedulers = self.decode_window, self.schedulers
+        if (
+            steps > 1
+            and all(s.can_run_window(steps) for s in schedulers)
+            and any(s.fills_window(steps) for s in schedulers)
+        ):
             return steps, in_flight
         if in_flight is not None and in_flight.output.shape.steps > 1:
             self._collect(in_flight, t_start)

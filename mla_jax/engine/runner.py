@@ -10,11 +10,17 @@ nothing is flattened or hashed beyond the step's shape. Sampled tokens stay on t
 where the next step reads the ones it needs (``source``), so the host reads them only to
 return them to requests, while the device already runs the next step.
 
-A *window* runs several decode steps in one program (a ``lax.while_loop``): each step's
-model call, sampling (``_sample``, with the key the one-step path would use for that step's
-number), stop checks (EOS where the request stops at it, and the steps the host gave it,
-which its ``max_new_tokens`` and so the model length bound) and the advance of its positions,
-cache slots and lengths happen on the device; the loop ends when every request has stopped.
+A *window* runs several decode steps in one program (a ``lax.fori_loop`` of the window's
+steps): each step's model call, sampling (``_sample``, with the key the one-step path would
+use for that step's number), stop checks (EOS where the request stops at it, and the steps
+the host gave it, which its ``max_new_tokens`` and so the model length bound) and the advance
+of its positions, cache slots and lengths happen on the device; a stopped request computes
+on but writes nothing. The loop runs all its steps, even once every request has stopped: XLA's
+GPU runtime runs a loop whose trip count it cannot prove by copying its condition to the host
+and waiting for it each iteration, which holds the host in the launch until the device has
+run nearly the whole window; a fixed trip count lets the launch return at once (the engine
+runs a window only where some request takes all of its steps, so only an EOS leaves steps
+idle).
 The host builds the window's metadata once, for its last step's lengths: the block tables
 hold every block the window writes (the scheduler allocated them up front), and the decode
 kernel's split-KV schedule for those lengths is cut to each step's on the device
@@ -88,12 +94,15 @@ class StepOutput(NamedTuple):
       request's count of tokens before it stopped (``window_tokens``).
     shape: the step's program shape (``shape.steps``: its decode steps).
     compiled: the programs this step compiled first.
+    call_s: seconds in the compiled program's call (the launch: the input's transfer and,
+      on a GPU, the kernels' launches; more means the call waited for the device).
     """
 
     rows: list[np.ndarray]
     tokens: jax.Array
     shape: StepShape
     compiled: list[Compiled]
+    call_s: float
 
 
 # XLA options for the step programs on GPUs (scripts/bench_serve.py's per-kernel breakdown
@@ -225,17 +234,12 @@ class ModelRunner:
                     decode=dataclasses.replace(decode, seq_lens=seq_lens, schedule=schedule),
                 )
 
-            def live_steps(carry):
-                s, *_, live = carry
-                live = live.any()
-                if expert_axis is not None:  # every rank steps while any does: the MoE
-                    # layers' collectives need all of them (a stopped rank runs padding)
-                    live = jax.lax.psum(live.astype(jnp.int32), expert_axis) > 0
-                return (s < layout.steps) & live
-
-            def one_step(carry):
-                s, ids, positions, seq_lens, last, tokens, counts, cache, live = carry
+            def one_step(s, carry):
+                ids, positions, seq_lens, last, tokens, counts, cache, live = carry
                 metadata = at(positions, seq_lens, live)
+                # Every rank runs every step (a known trip count), so the MoE layers'
+                # collectives under expert parallelism see all ranks; a stopped row writes
+                # nothing.
                 logits, cache = model(ids, cache, metadata, impl=impl, expert_axis=expert_axis)
                 sampled = _sample(logits, temperatures, jax.random.fold_in(key, step[0] + s))
                 last = jnp.where(live, sampled, last)
@@ -245,7 +249,6 @@ class ModelRunner:
                 next_live = live & ~at_eos & (s + 1 < steps)
                 advance = next_live.astype(jnp.int32)
                 return (
-                    s + 1,
                     sampled,
                     positions + advance,
                     seq_lens + advance,
@@ -258,7 +261,6 @@ class ModelRunner:
 
             num_rows = table.shape[0]
             start = (
-                jnp.int32(0),
                 input_ids,
                 metadata.positions - behind,
                 decode.seq_lens - behind,
@@ -268,8 +270,9 @@ class ModelRunner:
                 cache,
                 steps > 0,
             )
-            _, _, _, _, last, tokens, counts, cache, _ = jax.lax.while_loop(
-                live_steps, one_step, start
+            # Static bounds: a loop of known trip count (see the module's docstring).
+            _, _, _, last, tokens, counts, cache, _ = jax.lax.fori_loop(
+                0, layout.steps, one_step, start
             )
             window = jnp.zeros((layout.steps + 1, max_rows), jnp.int32)
             window = window.at[: layout.steps, :num_rows].set(tokens)
@@ -404,15 +407,12 @@ class ModelRunner:
         if program is None:
             program, record = self._compile(layout, packed, shape)
             compiled.append(record)
-        if steps == 1:
-            self.tokens, self.cache = program(
-                self.params, self.cache, packed, self.tokens, self.key
-            )
-            return StepOutput(rows, self.tokens, shape, compiled)
-        self.tokens, window, self.cache = program(
-            self.params, self.cache, packed, self.tokens, self.key
-        )
-        return StepOutput(rows, window, shape, compiled)
+        start = time.perf_counter()
+        *tokens, self.cache = program(self.params, self.cache, packed, self.tokens, self.key)
+        call_s = time.perf_counter() - start
+        # A step's sampled tokens; a window's last live ones, then the whole window's.
+        self.tokens = tokens[0]
+        return StepOutput(rows, tokens[-1], shape, compiled, call_s)
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()

@@ -20,7 +20,8 @@ When every running request decodes and no waiting request could start, the engin
 *window* of several decode steps in one device program (``schedule_window``): each request
 gets the blocks of all its window's tokens up front, so the device never needs a new one,
 and its window ends where its ``max_new_tokens`` (hence the model length) would; a window
-never preempts (``can_run_window`` asks for the free blocks first).
+never preempts (``can_run_window`` asks for the free blocks first), and runs only where some
+request takes all its steps (``fills_window``).
 """
 
 from __future__ import annotations
@@ -260,6 +261,14 @@ class Scheduler:
             tokens = req.num_computed + self._window_steps(req, steps)
             need += max(-(-tokens // self.block_size) - len(req.block_ids), 0)
         return decodes <= self.max_num_batched_tokens and need <= self.block_manager.num_free
+
+    def fills_window(self, steps: int) -> bool:
+        """Whether some running request would run all of a window's ``steps`` decode steps:
+        a window's program runs every step (``runner.py``), so where none would, its last
+        steps would compute for no request."""
+        return any(
+            req.wants_tokens and self._window_steps(req, steps) == steps for req in self.running
+        )
 
     def schedule_window(self, steps: int) -> list[Scheduled]:
         """A window of up to ``steps`` decode steps (``can_run_window(steps)`` must hold):

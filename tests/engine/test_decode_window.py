@@ -7,14 +7,18 @@ of windows of 1 and 8 steps equal transformers', requests finishing mid-window b
 reusing them gets transformers' tokens), EOS at a block's end included; the FP8 cache. On
 the tiny model: preemption (only between windows), prompts arriving while windows run,
 seeded sampling (a window's step takes the one-step path's key), the Pallas kernels
-(interpreted: the decode schedule of a window's last lengths cut to each step's), and the
-programs a window adds. DP 2 runs in ``tests/parallel/test_sharding.py``.
+(interpreted: the decode schedule of a window's last lengths cut to each step's), the
+programs a window adds, the host's work once a window (not once a step) and loops of known
+trip count (no wait for the device in a window's launch on a GPU). DP 2 runs in
+``tests/parallel/test_sharding.py``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,6 +26,8 @@ from conftest import _BASE_SEED
 
 from mla_jax.checkpoint.loader import load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.engine import engine as engine_module
+from mla_jax.engine import runner as runner_module
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 
 torch = pytest.importorskip("torch")
@@ -178,7 +184,7 @@ def test_prompts_arriving_while_windows_run(tiny, rng):
 
     def run(window):
         calls = []
-        requests = [Request(p, n) for p, n in zip(prompts, (5, 30, 14), strict=True)]
+        requests = [Request(p, n) for p, n in zip(prompts, (5, 40, 14), strict=True)]
         arrival = Request(late, 10)
 
         def log(_):
@@ -239,6 +245,75 @@ def test_precompile_covers_windows(tiny, rng):
     prompts = [rng.integers(0, 512, n).tolist() for n in (1, 40, 7, 90, 3, 200)]
     engine.generate([Request(p, 9) for p in prompts])
     assert engine.stats.buckets == shapes and _windows(engine) > 0
+
+
+def _count_host_work(engine: Engine, monkeypatch) -> collections.Counter:
+    """Counts, as ``engine`` runs, its schedulings, metadata builds, program calls and
+    token reads."""
+    counts = collections.Counter()
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def counting(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return counting
+
+    runner, compile_program = engine.runner, engine.runner._compile
+
+    def compile_counted(layout, packed, shape):
+        program, record = compile_program(layout, packed, shape)
+        runner.programs[layout] = counted("program calls", program)
+        return runner.programs[layout], record
+
+    monkeypatch.setattr(runner, "_compile", compile_counted)
+    monkeypatch.setattr(engine, "_schedule", counted("schedules", engine._schedule))
+    build_metadata = counted("metadata builds", runner_module.build_metadata)
+    monkeypatch.setattr(runner_module, "build_metadata", build_metadata)
+    window_tokens = counted("token reads", engine_module.window_tokens)
+    monkeypatch.setattr(engine_module, "window_tokens", window_tokens)
+    return counts
+
+
+def test_host_work_once_a_window(tiny, rng, monkeypatch):
+    """The host schedules, builds metadata, calls the program and reads tokens once a
+    launch, a window of 4 steps as a single step (work once a step in a window would
+    multiply them): 2 requests of 13 tokens take a prompt step and 3 windows (4 launches
+    for 13 decode steps), where single steps take 13 launches. Each launch interval is the
+    host's work plus its wait for tokens."""
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 9)]
+    for window, launches in ((1, 13), (4, 4)):
+        engine = _tiny_engine(tiny, window)
+        counts = _count_host_work(engine, monkeypatch)
+        engine.generate([Request(p, 13, ignore_eos=True) for p in prompts])
+        monkeypatch.undo()
+        records = engine.stats.step_records
+        assert sum(record.steps for record in records) == 13
+        assert len(records) == launches and _windows(engine) == (window > 1) * 3
+        # (A last scheduling may find every request's token pending: nothing to launch.)
+        assert launches <= counts.pop("schedules") <= launches + 1
+        names = ("metadata builds", "program calls", "token reads")
+        assert counts == dict.fromkeys(names, launches), counts
+        # Between launches the host works (the call among it) or waits for tokens.
+        for record in records[1:]:
+            assert record.host_s + record.wait_s == pytest.approx(record.interval_s)
+            assert 0 < record.call_s < record.host_s and record.wait_s >= 0
+
+
+def test_window_loops_have_known_trip_counts(tiny, rng):
+    """Every loop of the programs (a window's steps, the layers' scan) runs a trip count
+    XLA knows, and a window branches nowhere: XLA's GPU runtime runs a loop of unknown trip
+    count, or a conditional, by copying the condition to the host and waiting for it, which
+    would hold the host in the window's launch until the device has run it."""
+    engine = _tiny_engine(tiny, 4)
+    engine.generate([Request(rng.integers(0, 512, 6).tolist(), 5, ignore_eos=True)])
+    assert _windows(engine) == 1
+    for layout, program in engine.runner.programs.items():
+        lines = program.as_text().splitlines()
+        loops = [line for line in lines if " while(" in line]
+        assert loops and all("known_trip_count" in line for line in loops), layout.steps
+        if layout.steps > 1:
+            assert not any(" conditional(" in line for line in lines)
 
 
 def test_bad_window():
