@@ -135,9 +135,9 @@ def as_stored(
     A prefill's new tokens attend these, so that every read of a token's latent, in its own
     chunk or later from the cache, sees one value: a request's tokens do not depend on how
     its prompt was chunked or whether it was recomputed after a preemption."""
-    # The stored values pass an optimization barrier: XLA on GPUs removes a narrowing
-    # convert followed by a widening one (xla_allow_excess_precision's
-    # SimplifyFPConversions), which would hand the prefill its unrounded latents.
+    # The stored values pass an optimization barrier: XLA on GPUs may remove a narrowing
+    # convert followed by a widening one (xla_allow_excess_precision), which would hand the
+    # prefill its unrounded latents.
     if isinstance(cache, fp8.Fp8Cache):
         values, scales = lax.optimization_barrier(fp8.quantize(kv_c))
         rope = lax.optimization_barrier(k_pe.astype(cache.k_pe.dtype))

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from mla_jax.cache.block_manager import BlockManager
@@ -95,6 +96,12 @@ class EngineConfig:
             raise ValueError(
                 "expert_parallel needs data_parallel > 1 (with one DP rank, tensor parallelism "
                 "already splits the experts over every device)"
+            )
+        if self.expert_parallel and self.tensor_parallel > 1 and sharding.gspmd_for_data_parallel():
+            raise ValueError(
+                f"expert_parallel with tensor_parallel > 1 does not compile on jax "
+                f"{jax.__version__}: the GSPMD partitioner data parallelism uses there aborts "
+                "on the experts split over dp x tp (use tensor_parallel=1, or jax 0.10 / 0.12)"
             )
         if self.num_blocks % self.data_parallel:
             raise ValueError(

@@ -111,12 +111,18 @@ def make_mesh(
     return Mesh(grid, (DATA_AXIS, TENSOR_AXIS))
 
 
+def gspmd_for_data_parallel() -> bool:
+    """Whether data parallelism compiles with the GSPMD partitioner here: on jax 0.11, whose
+    Shardy partitioner crashes the process (SIGSEGV, in its pipeline before any pass runs)
+    compiling a data-parallel prefill step with a chunked-context bucket; 0.10 and 0.12
+    compile it with Shardy."""
+    return jax.__version_info__[:2] == (0, 11)
+
+
 def _partitioner_for_data_parallel() -> None:
-    """jaxlib 0.11's Shardy partitioner crashes the process (SIGSEGV, in its pipeline before
-    any pass runs) compiling a data-parallel prefill step with a chunked-context bucket;
-    0.10 and 0.12 compile it. On 0.11 the data-parallel mesh switches JAX to its GSPMD
-    partitioner (a process-wide setting), said once on the log."""
-    if jax.__version_info__[:2] != (0, 11) or not jax.config.jax_use_shardy_partitioner:
+    """On jax 0.11 (``gspmd_for_data_parallel``) the data-parallel mesh switches JAX to its
+    GSPMD partitioner (a process-wide setting), said once on the log."""
+    if not gspmd_for_data_parallel() or not jax.config.jax_use_shardy_partitioner:
         return
     jax.config.update("jax_use_shardy_partitioner", False)
     logging.getLogger(__name__).warning(
