@@ -106,10 +106,10 @@ def test_consumers_issue_the_copies(rng, num_stages):
     _run(rng, [150, 2], [300, 70], causal=True, n=2, dqk=64, dv=64, config=config)
 
 
-def test_consumers_take_turns(rng):
-    """FA3's ping-pong between the consumers (an mbarrier both pass as often): a tile with
-    blocks, one without (no deadlock either way)."""
-    config = mosaic.MosaicPrefillConfig(schedule_barrier=True)
+def test_consumers_without_turns(rng):
+    """Without FA3's ping-pong (the default takes turns through an mbarrier): a tile with
+    blocks, one without."""
+    config = mosaic.MosaicPrefillConfig(schedule_barrier=False)
     _run(rng, [150, 3], [200, 0], causal=True, n=2, dqk=64, dv=64, config=config)
 
 
@@ -131,7 +131,7 @@ def test_block_k_128(rng):
             True,
             (192, 128),
         ),
-        (mosaic.MosaicPrefillConfig(schedule_barrier=True), False, (192, 128)),
+        (mosaic.MosaicPrefillConfig(schedule_barrier=False), True, (192, 128)),
     ],
     ids=[
         "default",
@@ -139,7 +139,7 @@ def test_block_k_128(rng):
         "p_staged_auto_barriers",
         "block_k_128",
         "no_producer",
-        "turns",
+        "no_turns",
     ],
 )
 def test_lowers_for_sm90(config, causal, widths):
@@ -200,7 +200,7 @@ GPU_CONFIGS = [
     mosaic.MosaicPrefillConfig(num_stages=2),
     mosaic.MosaicPrefillConfig(auto_barriers=True),
     mosaic.MosaicPrefillConfig(producer_warpgroup=False, schedule_barrier=False),
-    mosaic.MosaicPrefillConfig(schedule_barrier=True),
+    mosaic.MosaicPrefillConfig(schedule_barrier=False),
 ]
 
 
@@ -210,7 +210,8 @@ def test_deepseek_widths_compiled(rng, causal):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
     boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
     default, P staged in shared memory, two stages, Pallas' own barriers, no producer
-    warpgroup, the consumers' ping-pong), with the host's schedule and the device's."""
+    warpgroup, no ping-pong between the consumers), with the host's schedule and the
+    device's."""
     lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
     extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
     lk = [a + b for a, b in zip(lq, extra, strict=True)]
