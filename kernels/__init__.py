@@ -82,7 +82,6 @@ MOSAIC_GPU = TRITON._replace(
     flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
     backend="mosaic_gpu",
 )
-PALLAS = TRITON  # the portable set; ``select("pallas")`` picks the best one for the device
 
 
 def select(impl: str | KernelSet = "auto") -> KernelSet:

@@ -168,7 +168,7 @@ def decode_case(layer: Layer, copy_gbs: float, tokens: int) -> dict:
     needed = chosen * layer.expert_bytes() + layer.shared_and_router_bytes()
     layer_t = time_us(layer.layer["pallas"], [(layer.state, x)])
     experts_t = time_us(
-        layer.experts_fn(kernels.PALLAS.grouped_matmul),
+        layer.experts_fn(kernels.TRITON.grouped_matmul),
         [layer.experts_args(x, expert_ids, weights)],
     )
     router_t = time_us(layer.router_fn(), [layer.router_args(x)])
@@ -208,7 +208,7 @@ def prefill_case(layer: Layer, tokens: int, grouped_matmul=None) -> dict:
     x = _tokens(cfg, tokens, 4)
     expert_ids, weights = layer.router_fn()(*layer.router_args(x))
     experts_t = time_us(
-        layer.experts_fn(grouped_matmul or kernels.PALLAS.grouped_matmul),
+        layer.experts_fn(grouped_matmul or kernels.TRITON.grouped_matmul),
         [layer.experts_args(x, expert_ids, weights)],
     )
     result = {
@@ -260,7 +260,7 @@ def _sweep(out_dir, sizes: Sizes):
     layer = Layer(next(iter(sizes.layers.values())))
 
     def trial(kind, config):
-        gmm = functools.partial(kernels.PALLAS.grouped_matmul, config=config)
+        gmm = functools.partial(kernels.TRITON.grouped_matmul, config=config)
         tokens = sizes.decode_tokens if kind == "decode" else sizes.prefill_tokens
         return prefill_case(layer, tokens, grouped_matmul=gmm)
 

@@ -195,7 +195,7 @@ def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     """The Pallas kernels (interpreted) under ``sharding.sharded_kernels``, each rank on its
     heads or experts, against the unsharded references: relative error of each output."""
     mesh = sharding.make_mesh(tensor_parallel)
-    pallas = sharding.sharded_kernels(kernels.PALLAS, mesh)
+    pallas = sharding.sharded_kernels(kernels.select("pallas"), mesh)
     rng = np.random.default_rng(seed)
 
     def normal(*shape):
