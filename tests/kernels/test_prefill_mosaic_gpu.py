@@ -78,6 +78,25 @@ def test_ragged_batch(rng, causal):
     _run(rng, [5, 150, 0, 1], [9, 150, 3, 1], causal=causal, n=3)
 
 
+def test_head_group_fits_the_l2_budget():
+    """DeepSeek's 128 heads x 4096 keys (2.6 MB a head) run 8 heads side by side; few keys,
+    every head; a head larger than the budget, one; a group always divides the heads."""
+    per_token = 192 + 128
+    assert mosaic.head_group(128, 4096, per_token) == 8
+    assert mosaic.head_group(16, 4096, per_token) == 8
+    assert mosaic.head_group(16, 256, per_token) == 16
+    assert mosaic.head_group(12, 4096, per_token) == 6
+    assert mosaic.head_group(128, 65536, per_token) == 1
+
+
+def test_heads_in_groups(rng, monkeypatch):
+    """Heads launched in two groups of two (a small L2 budget): each program finds its head
+    from the group and the head within it."""
+    monkeypatch.setattr(mosaic, "L2_BUDGET", 2 * 160 * (192 + 128) * 2)
+    assert mosaic.head_group(4, 157, 192 + 128) == 2
+    _run(rng, [150, 7], [150, 7], causal=True, n=4)
+
+
 def test_context_longer_than_queries(rng):
     """Few queries on long key runs: whole blocks unmasked, then the diagonal; key boxes of
     the last sequence moved back inside k (its keys end near the poisoned rows)."""
