@@ -25,8 +25,16 @@ it: those keys are masked, and the value rows past the item's end are zeroed in 
 memory before any product reads them, so stale or NaN rows there change nothing; no
 block-table entry past ``cdiv(seq_len, 64)`` is read.
 
-Runs on sm90 with page 64, bf16, ``Lkv`` a multiple of 128 and ``R == 64``; ``mla_decode``
-hands anything else (the FP8 cache included) to the Triton kernel (logged once per reason).
+Over an FP8 cache (``fp8.Fp8Cache``) the same kernel (a static variant) copies each page's
+e4m3 latent and bf16 rope by TMA, two pages deep, and at the start of a page both
+warpgroups dequantize it into one bf16 page in shared memory, each the half of the columns
+its products use: e4m3 -> float32 times the token's power-of-two scale (loaded from global
+memory a page ahead) -> bf16, exact, with the rows past the item's end written as zeros. The
+wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
+
+Runs on sm90 with page 64, bf16 (or an FP8 cache with bf16 rope), ``Lkv`` a multiple of 128
+and ``R == 64``; ``mla_decode`` hands anything else to the Triton kernel (logged once per
+reason).
 """
 
 from __future__ import annotations
@@ -138,8 +146,9 @@ def mla_decode(
     Args:
       q_lat: ``[B, N, Lkv]`` bf16 queries in the latent space (any N).
       q_pe: ``[B, N, R]`` bf16 rotated rope queries.
-      kv_cache: ``[num_blocks, 64, Lkv + R]`` bf16 rows ``concat(kv_c, k_pe)``. Other page
-        sizes, dtypes, widths and the FP8 cache run the Triton kernel (logged once).
+      kv_cache: ``[num_blocks, 64, Lkv + R]`` bf16 rows ``concat(kv_c, k_pe)``, or an
+        ``fp8.Fp8Cache`` of pages of 64 (dequantized exactly into bf16 in shared memory).
+        Other page sizes, dtypes and widths run the Triton kernel (logged once).
       block_table: ``[B, W]`` int32; only the first ``cdiv(seq_lens[b], 64)`` entries of
         row b are read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
