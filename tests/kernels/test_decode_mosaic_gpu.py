@@ -236,10 +236,12 @@ def test_deepseek_scale_compiled(rng, n):
 # up to 2^±2 between tokens and scale groups, NaN in every part of the rows a request does
 # not own, table entries past its need -1 or far outside the cache) against float64
 # attention over the dequantized cache. The kernel dequantizes exactly (power-of-two
-# scales), so its rounding is the bf16 cache's and so are the bounds: FP8_OUT_TOL relative
-# L2 on out, LSE_TOL absolute on lse. Measured (interpret mode, 2026-11-26, the cases below
-# over seeds 0-5): out <= 1.9e-3, lse <= 3.3e-6.
-FP8_OUT_TOL = 3e-3
+# scales), so its rounding is the bf16 cache's: FP8_OUT_TOL relative L2 on out, and on lse
+# LSE_TOL absolute plus FP8_LSE_RTOL relative (these latents' scores put lse near 19 at
+# DeepSeek scale, where a float32 ulp is 1.9e-6). Measured (2026-11-25): interpret mode,
+# the interpreted cases below over seeds 0-3, out <= 1.84e-3 and lse <= 5.9e-6; compiled on
+# an H200 (approximate exp2 and log), lse up to 1.9e-5 off at lse ~19 (1.05e-6 relative).
+FP8_OUT_TOL, FP8_LSE_RTOL = 3e-3, 1e-6
 
 
 def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE):
@@ -267,7 +269,7 @@ def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_
     live = lens > 0
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     assert rel_err(out[live], want[0][live]) < FP8_OUT_TOL
-    np.testing.assert_allclose(lse[live], want[1][live], rtol=0, atol=LSE_TOL)
+    np.testing.assert_allclose(lse[live], want[1][live], rtol=FP8_LSE_RTOL, atol=LSE_TOL)
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
     return schedule
 
