@@ -12,7 +12,9 @@ a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``
 the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
 ``--kernel mgpu`` times the Mosaic GPU kernel (``kernels/decode/pallas_mosaic_gpu.py``)
 beside the Triton one on the same inputs in the same run, N = 16 and 128 over the cases
-below (``decode_mgpu.json``); ``--sweep mgpu`` its compile options on the cases of its
+below (``decode_mgpu.json``), and both again over the FP8 layout of the same caches
+(``decode_mgpu_fp8.json``: Mosaic bf16, Mosaic FP8 and Triton FP8 from one run);
+``--sweep mgpu`` its compile options on the cases of its
 targets (``decode_mgpu_sweep.json``, under --out only).
 ``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only
 (the Mosaic GPU kernel hands the smoke shapes, page 16, to the Triton kernel).
@@ -196,10 +198,13 @@ def _errors(got, want, seq_lens) -> dict:
     return {"rel_err": float(err), "lse_err": float(lse_err)}
 
 
-def _mosaic_case(rng, label, seq_lens, n, sizes, variant=None, with_triton=True) -> dict:
+def _mosaic_case(
+    rng, label, seq_lens, n, sizes, variant=None, with_triton=True, with_fp8=False
+) -> dict:
     """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults) and, on
     the same inputs, the Triton kernel with its default config; errors of both against the
-    reference."""
+    reference. ``with_fp8``: both kernels again over the FP8 layout of the same caches
+    (``fp8_*`` and ``triton_fp8_*``, errors against the reference on that FP8 cache)."""
     seq_lens = np.asarray(seq_lens)
     lkv, rope = sizes.lkv, sizes.rope
     tokens = int(seq_lens.sum())
@@ -243,6 +248,19 @@ def _mosaic_case(rng, label, seq_lens, n, sizes, variant=None, with_triton=True)
         result["triton_rel_err"] = _errors(triton(*arg_sets[0], t_schedule), want, seq_lens)[
             "rel_err"
         ]
+    if with_fp8:
+        fp8_sets = [(*a[:2], _quantized(a[2], lkv), *a[3:]) for a in arg_sets]
+        fp8_want = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))(
+            *fp8_sets[0]
+        )
+        result["fp8_timing"] = time_us(kernel, [(*a, schedule) for a in fp8_sets])
+        result["fp8_us"] = result["fp8_timing"].us
+        result["fp8_rel_err"] = _errors(kernel(*fp8_sets[0], schedule), fp8_want, seq_lens)[
+            "rel_err"
+        ]
+        if with_triton:
+            result["triton_fp8_timing"] = time_us(triton, [(*a, t_schedule) for a in fp8_sets])
+            result["triton_fp8_us"] = result["triton_fp8_timing"].us
     return result
 
 
@@ -250,11 +268,29 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
     """``decode_mgpu.json``: the Mosaic GPU kernel beside Triton, per ``sizes.mosaic_heads``."""
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy.gbs:.0f} GB/s ({copy.method})")
-    rows = []
+    rows, fp8_rows = [], []
     for n in sizes.mosaic_heads:
         for label, lens in sizes.cases:
-            r = _mosaic_case(rng, label, lens, n, sizes)
+            r = _mosaic_case(rng, label, lens, n, sizes, with_fp8=True)
             print(json.dumps(jsonable(r)), flush=True)
+            fp8_cells = [
+                r["case"],
+                n,
+                round(r["us"], 1),
+                round(r["fp8_us"], 1),
+                f"{r['fp8_us'] / r['us']:.2f}x",
+                round(r["triton_fp8_us"], 1),
+                f"{r['triton_fp8_us'] / r['fp8_us']:.2f}x",
+                f"{r['fp8_rel_err']:.1e}",
+            ]
+            fp8_rows.append(
+                row(
+                    fp8_cells,
+                    mosaic_bf16=r["timing"],
+                    mosaic_fp8=r["fp8_timing"],
+                    triton_fp8=r["triton_fp8_timing"],
+                )
+            )
             cells = [
                 r["case"],
                 n,
@@ -298,6 +334,31 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
             "rel err: relative L2 error of out against the XLA reference on the same inputs.",
         ],
         extra={"copy_bandwidth": copy.record()},
+        out_dir=out_dir,
+    )
+    save(
+        "decode_mgpu_fp8",
+        f"Paged MLA decode: Mosaic GPU kernel over the FP8 cache, page {sizes.page}, beside "
+        "bf16 and the Triton FP8 kernel",
+        [
+            "batch x context",
+            "N",
+            "Mosaic bf16 us",
+            "Mosaic FP8 us",
+            "FP8 / bf16",
+            "Triton FP8 us",
+            "speedup vs Triton FP8",
+            "Mosaic FP8 rel err",
+        ],
+        fp8_rows,
+        [
+            "The three kernels in the same run, on the same inputs (the FP8 cache is the bf16 "
+            "one quantized, kernels/fp8.py: "
+            f"{sizes.fp8_token_bytes} B a token), each with its own default launch and "
+            "split-KV plan; us includes the combine kernel.",
+            "rel err: relative L2 error of out against the XLA reference on the same FP8 "
+            "cache (which dequantizes exactly in bf16).",
+        ],
         out_dir=out_dir,
     )
 

@@ -6,6 +6,8 @@
 ``--impl`` picks the kernels as ``kernels.select`` does (default ``pallas``: the Mosaic GPU
 ones on an sm90 GPU, whose kernels ncu names ``anonymous_mosaic_gpu_kernel``).
 
+``--cache fp8``: the decode over the FP8 cache (``kernels.fp8``, the bf16 one quantized).
+
 ``--out DIR`` also writes what ran (kernel, shapes, wall seconds of each call) as
 ``profile_<kernel>.json``. ``--smoke``: both kernels once at 16 heads, 2 x 64 tokens on
 the CPU (interpreted), results under --out only.
@@ -24,26 +26,30 @@ import numpy as np
 from benchlib import parse_args, parser
 
 from mla_jax import kernels
-from mla_jax.kernels import KernelPlan
+from mla_jax.kernels import KernelPlan, fp8
 
 KERNELS = ("decode", "prefill")
 # The defaults of a smoke run (flags given still win).
 SMOKE_FLAGS = dict(heads=16, batch=2, context=64, reps=1)
 
 
-def _decode(kernel_set: kernels.KernelSet, n: int, b: int, ctx: int):
+def _decode(kernel_set: kernels.KernelSet, n: int, b: int, ctx: int, cache: str = "bf16"):
     """``mla_decode`` of ``kernel_set`` over ``b`` requests of ``ctx`` tokens (DeepSeek's
-    512 + 64, page 64) and its arguments."""
+    512 + 64, page 64, a bf16 or an FP8 cache) and its arguments."""
     ks = jax.random.split(jax.random.key(0), 3)
     pages = b * -(-ctx // 64)
     lens = np.full(b, ctx, np.int32)
     table = np.random.default_rng(0).permutation(pages).reshape(b, -1).astype(np.int32)
     schedule = KernelPlan.for_impl(kernel_set, n).decode_schedule(lens)
     f = jax.jit(functools.partial(kernel_set.mla_decode, scale=0.07, schedule=schedule))
+    kv = jax.random.normal(ks[2], (pages, 64, 576), jnp.bfloat16)
+    if cache == "fp8":
+        values, scales = fp8.quantize(kv[..., :512])
+        kv = fp8.Fp8Cache(values, kv[..., 512:], scales)
     args = (
         jax.random.normal(ks[0], (b, n, 512), jnp.bfloat16),
         jax.random.normal(ks[1], (b, n, 64), jnp.bfloat16),
-        jax.random.normal(ks[2], (pages, 64, 576), jnp.bfloat16),
+        kv,
         jnp.asarray(table),
         jnp.asarray(lens),
     )
@@ -77,6 +83,7 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--impl", choices=["pallas", "mosaic_gpu", "triton"], default="pallas")
+    ap.add_argument("--cache", choices=["bf16", "fp8"], default="bf16", help="decode's cache")
     args = parse_args(ap)
     if args.smoke:
         ap.set_defaults(**SMOKE_FLAGS)
@@ -85,7 +92,7 @@ def main():
     kernel_set = kernels.select(args.impl)
     for kernel in [args.kernel] if args.kernel else KERNELS:
         if kernel == "decode":
-            f, f_args = _decode(kernel_set, n, b, ctx)
+            f, f_args = _decode(kernel_set, n, b, ctx, args.cache)
         else:
             f, f_args = _prefill(kernel_set, n, ctx)
         seconds = []

@@ -25,8 +25,16 @@ it: those keys are masked, and the value rows past the item's end are zeroed in 
 memory before any product reads them, so stale or NaN rows there change nothing; no
 block-table entry past ``cdiv(seq_len, 64)`` is read.
 
-Runs on sm90 with page 64, bf16, ``Lkv`` a multiple of 128 and ``R == 64``; ``mla_decode``
-hands anything else (the FP8 cache included) to the Triton kernel (logged once per reason).
+Over an FP8 cache (``fp8.Fp8Cache``) the same kernel (a static variant) copies each page's
+e4m3 latent and bf16 rope by TMA, two pages deep, and at the start of a page both
+warpgroups dequantize it into one bf16 page in shared memory, each the half of the columns
+its products use: e4m3 -> float32 times the token's power-of-two scale (loaded from global
+memory a page ahead) -> bf16, exact, with the rows past the item's end written as zeros. The
+wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
+
+Runs on sm90 with page 64, bf16 (or an FP8 cache with bf16 rope), ``Lkv`` a multiple of 128
+and ``R == 64``; ``mla_decode`` hands anything else to the Triton kernel (logged once per
+reason).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ CHUNK = 32  # tokens per softmax step: half a page, the page's owner warpgroup's
 NUM_SLOTS = 2  # pages in shared memory: the next page's copies fly while one is computed
 ROPE = 64  # k_pe width
 SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
+# An FP8 page's staging tiles: 32 one-byte columns (a 32-byte swizzle), the width of the
+# bf16 tiles they are dequantized into.
+FP8_SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(32))
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
 
 
@@ -90,9 +101,9 @@ def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -
 
 
 def unsupported(q_lat, q_pe, kv_cache) -> str | None:
-    """Why the Mosaic GPU kernel cannot run these inputs here (None: it can)."""
-    if isinstance(kv_cache, fp8.Fp8Cache):
-        return "an FP8 cache"
+    """Why the Mosaic GPU kernel cannot run these inputs here (None: it can). An
+    ``fp8.Fp8Cache`` runs under the same conditions as a bf16 cache (its ``shape`` and
+    ``dtype`` are those of the bf16 cache it stands for)."""
     if len(kv_cache.shape) != 3 or q_lat.ndim != 3 or q_pe.ndim != 3:
         return "inputs that are not 3-D"
     if kv_cache.shape[1] != PAGE:
@@ -135,8 +146,9 @@ def mla_decode(
     Args:
       q_lat: ``[B, N, Lkv]`` bf16 queries in the latent space (any N).
       q_pe: ``[B, N, R]`` bf16 rotated rope queries.
-      kv_cache: ``[num_blocks, 64, Lkv + R]`` bf16 rows ``concat(kv_c, k_pe)``. Other page
-        sizes, dtypes, widths and the FP8 cache run the Triton kernel (logged once).
+      kv_cache: ``[num_blocks, 64, Lkv + R]`` bf16 rows ``concat(kv_c, k_pe)``, or an
+        ``fp8.Fp8Cache`` of pages of 64 (dequantized exactly into bf16 in shared memory).
+        Other page sizes, dtypes and widths run the Triton kernel (logged once).
       block_table: ``[B, W]`` int32; only the first ``cdiv(seq_lens[b], 64)`` entries of
         row b are read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
@@ -254,14 +266,24 @@ def _decode_call(
     """The split-KV kernel: ``(out, lse)`` of the items that cover a request whole, the
     float32 partials ``(o_part, lse_part)`` of the others."""
     b, heads, lkv = q_lat.shape
+    quantized = isinstance(kv_cache, fp8.Fp8Cache)
     # 64-byte swizzle everywhere: a wgmma's operands share one swizzle, and the product
     # of a chunk's probabilities [64, 32] with its values has a 64-byte (K = 32) A row.
     swizzled = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(64))
     bf16 = jnp.bfloat16
+    if quantized:
+        # One bf16 page (the wgmmas' operand) and two FP8 pages in flight: the queries, two
+        # bf16 slots and FP8 staging would not fit in shared memory.
+        fp8_scratch = dict(
+            fp8_smem=plgpu.SMEM((NUM_SLOTS, PAGE, lkv), fp8.FP8, transforms=FP8_SWIZZLED),
+            dq_ready=plgpu.Barrier(num_arrivals=NUM_WARPGROUPS),
+        )
+    else:
+        fp8_scratch = {}
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), bf16, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
-        kv_smem=plgpu.SMEM((NUM_SLOTS, PAGE, lkv), bf16, transforms=swizzled),
+        kv_smem=plgpu.SMEM((1 if quantized else NUM_SLOTS, PAGE, lkv), bf16, transforms=swizzled),
         # A chunk's probabilities [64, CHUNK] take the bytes of its rope rows [CHUNK, 64]:
         # those are read only by the chunk's own scores, which come first.
         pe_or_probs=plgpu.RefUnion(
@@ -276,6 +298,7 @@ def _decode_call(
         q_ready=plgpu.Barrier(num_arrivals=2),
         q_free=plgpu.Barrier(num_arrivals=1),
         l_ready=plgpu.Barrier(num_arrivals=NUM_WARPGROUPS),
+        **fp8_scratch,
     )
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, interpret=bool(interpret)),
@@ -301,7 +324,7 @@ def _decode_call(
         block_table,
         q_lat,
         q_pe,
-        kv_cache,
+        *jax.tree.leaves(kv_cache),
     )
 
 
@@ -314,12 +337,7 @@ def _kernel(
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
-    cache_ref,
-    out_ref,
-    lse_ref,
-    o_part_ref,
-    lse_part_ref,
-    *,
+    *cache_and_out_refs,
     q_lat_smem,
     q_pe_smem,
     kv_smem,
@@ -334,9 +352,15 @@ def _kernel(
     l_ready,
     scale,
     interpret,
+    fp8_smem=None,
+    dq_ready=None,
 ):
     """One program (a block of 64 heads x a share of the batch's tokens) on two warpgroups;
-    the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``)."""
+    the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``): the
+    cache is one bf16 ref ``[blocks, 64, Lkv + R]`` or an FP8 cache's three (``kv_c``,
+    ``k_pe``, ``scales``), which come with ``fp8_smem`` and ``dq_ready``."""
+    *cache_refs, out_ref, lse_ref, o_part_ref, lse_part_ref = cache_and_out_refs
+    quantized = fp8_smem is not None
     lkv = q_lat_smem.shape[-1]
     pe_smem, p_smem = pe_or_probs
     half_width = lkv // NUM_WARPGROUPS
@@ -365,14 +389,21 @@ def _kernel(
         total, result = pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32))
         return (scaled + total if interpret else total), result
 
+    def kv_page(slot):
+        """The bf16 page ``[64, Lkv]`` of ``slot``: its own slot, or the one page an FP8
+        cache is dequantized into."""
+        return kv_smem.at[0 if quantized else slot]
+
     def scores(slot, c, during=lambda: None):
         """``[64, CHUNK]`` raw scores of chunk ``c`` of the page in ``slot`` (waits for its
-        copy), with ``during()`` run while the wgmma is in flight."""
+        copy, or for an FP8 page, for its dequantization: ``dequantize``), with ``during()``
+        run while the wgmma is in flight."""
 
         def scope(s_ref):
-            plgpu.barrier_wait(kv_ready.at[slot])
+            if not quantized:
+                plgpu.barrier_wait(kv_ready.at[slot])
             rows = pl.ds(c * CHUNK, CHUNK)
-            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, rows].T)
+            plgpu.wgmma(s_ref, q_lat_smem, kv_page(slot).at[rows].T)
             plgpu.wgmma(s_ref, q_pe_smem, pe_smem.at[slot, rows].T)
             result = during()
             return s_ref[...], result
@@ -398,12 +429,17 @@ def _kernel(
                 issues them, once the slot is free)."""
                 slot = slot_of(k)
                 block = block_table_ref[req, first_page + k]
-                plgpu.copy_gmem_to_smem(
-                    cache_ref.at[block, :, pl.ds(0, lkv)], kv_smem.at[slot], kv_ready.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    cache_ref.at[block, :, pl.ds(lkv, ROPE)], pe_smem.at[slot], kv_ready.at[slot]
-                )
+                if quantized:
+                    kv_c_ref, k_pe_ref, _ = cache_refs
+                    latent, rope = kv_c_ref.at[block], k_pe_ref.at[block]
+                    latent_smem = fp8_smem.at[slot]
+                else:
+                    (cache_ref,) = cache_refs
+                    latent = cache_ref.at[block, :, pl.ds(0, lkv)]
+                    rope = cache_ref.at[block, :, pl.ds(lkv, ROPE)]
+                    latent_smem = kv_smem.at[slot]
+                plgpu.copy_gmem_to_smem(latent, latent_smem, kv_ready.at[slot])
+                plgpu.copy_gmem_to_smem(rope, pe_smem.at[slot], kv_ready.at[slot])
 
             if w == 0:
                 # The item's queries once warpgroup 1 is done with the last item's, its
@@ -430,6 +466,41 @@ def _kernel(
                     tile = kv_smem.at[slot, :, pl.ds(column * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)]
                     values = tile[...]
                     tile[...] = jnp.where(valid, values, jnp.zeros_like(values))
+
+            # The scale groups of our half of the latent columns (an FP8 cache).
+            groups = sorted(
+                {column // fp8.GROUP for column in range(w * half_width, (w + 1) * half_width)}
+            )
+
+            def page_scales(k):
+                """The scales of page ``k`` of the item for our groups, one ``[64]`` row
+                vector each, loaded from global memory (a page ahead of their use)."""
+                block = block_table_ref[req, first_page + k]
+                return tuple(
+                    plgpu.load(cache_refs[2].at[block, :, g], layout=row_layout, optimized=False)
+                    for g in groups
+                )
+
+            def dequantize(slot, k, scales):
+                """Our half of the latent columns of FP8 page ``k`` (in staging ``slot``)
+                into the bf16 page, times their power-of-two scales (exact), rows past the
+                item's end zeroed; returns once both halves are there."""
+                plgpu.barrier_wait(kv_ready.at[slot])
+                row = plgpu.broadcasted_iota(
+                    jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
+                )
+                valid = row < end - (first_page + k) * PAGE
+                for t in range(half_width // SWIZZLE_COLUMNS):
+                    columns = pl.ds(w * half_width + t * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)
+                    group = groups.index((w * half_width + t * SWIZZLE_COLUMNS) // fp8.GROUP)
+                    values = plgpu.load(
+                        fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
+                    ).astype(jnp.float32)
+                    values = values * lax.broadcast_in_dim(scales[group], values.shape, [0])
+                    kv_smem[0, :, columns] = jnp.where(valid, values, 0.0).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dq_ready)
+                plgpu.barrier_wait(dq_ready)
 
             def own_chunk(slot, k, s, m_prev, l):
                 """The owner's part of chunk ``w`` of page ``k`` (raw scores ``s``): mask,
@@ -461,7 +532,7 @@ def _kernel(
                 return m_new, l, alpha
 
             def values(slot, c):
-                return kv_smem.at[slot, pl.ds(c * CHUNK, CHUNK), half]
+                return kv_page(slot).at[pl.ds(c * CHUNK, CHUNK), half]
 
             def other_probs(c):
                 """Waits for chunk ``c``'s probabilities (from the other warpgroup) and
@@ -470,16 +541,20 @@ def _kernel(
                 return plgpu.layout_cast(m_smem[c], row_layout)
 
             def page(k, state):
-                acc, m, l = state
+                acc, m, l, scales = state
                 slot = slot_of(k)
+                if quantized:
+                    dequantize(slot, k, scales)
+                    scales = page_scales(jnp.minimum(k + 1, pages - 1))
                 if w == 0:
                     # Chunk 0 is ours: scores, softmax, publish, then our half of both
                     # chunks' products (chunk 1's probabilities come from warpgroup 1). The
                     # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it.
                     s, _ = scores(slot, 0)
-                    pl.when((k == pages - 1) & (end % PAGE != 0))(
-                        functools.partial(zero_past_end, slot, k)
-                    )
+                    if not quantized:  # (dequantize zeroes them)
+                        pl.when((k == pages - 1) & (end % PAGE != 0))(
+                            functools.partial(zero_past_end, slot, k)
+                        )
                     m0, l, alpha0 = own_chunk(slot, k, s, m, l)
                     acc, m1 = accumulate(
                         acc, alpha0, p_smem.at[slot, 0], values(slot, 0), lambda: other_probs(1)
@@ -488,7 +563,7 @@ def _kernel(
                     acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
                     plgpu.barrier_wait(kv_free.at[slot])
                     pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))
-                    return acc, m1, l * alpha1
+                    return acc, m1, l * alpha1, scales
 
                 # Chunk 1 is ours: its scores run while chunk 0's softmax finishes on
                 # warpgroup 0; our softmax runs while chunk 0's product is in flight.
@@ -503,12 +578,21 @@ def _kernel(
                 )
                 acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
                 plgpu.barrier_arrive(kv_free.at[slot])
-                return acc, m1, l
+                return acc, m1, l, scales
 
             acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half_width), jnp.float32), wgmma_layout)
             m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
             l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-            acc, m, l = lax.fori_loop(0, pages, page, (acc, m, l))
+            if quantized:
+                # The first page's scales (no table entry is read for an empty item).
+                zeros = tuple(
+                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
+                    for _ in groups
+                )
+                scales = lax.cond(pages > 0, lambda: page_scales(0), lambda: zeros)
+            else:
+                scales = ()
+            acc, m, l, _ = lax.fori_loop(0, pages, page, (acc, m, l, scales))
             if w == 1:
                 plgpu.barrier_arrive(q_free)
 

@@ -28,7 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_decode_kernel as bf16_tests
+import test_fp8_cache as fp8_tests
+from conftest import rel_err
 
+from mla_jax.kernels import fp8
 from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 from mla_jax.kernels.decode import pallas_triton
 
@@ -132,11 +135,13 @@ def test_deepseek_dims(rng):
     tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
     reason="compiled on jax 0.11 only (0.12's lowering refuses the output stores)",
 )
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("n", [16, 128])
-def test_lowers_for_sm90(n):
+def test_lowers_for_sm90(n, quantized):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
-    all but a few KB of it) are checked there; only ptxas and the run need the GPU."""
+    all but a few KB of it, with either cache) are checked there; only ptxas and the run
+    need the GPU."""
     b, heads, lkv = 4, mosaic.padded_heads(n), 512
     lens = np.array([300, 64, 1, 0])
     schedule = pallas_triton.schedule_splits(
@@ -157,10 +162,19 @@ def test_lowers_for_sm90(n):
             interpret=False,
         )
     )
+    page = (32, mosaic.PAGE)
+    if quantized:
+        cache = fp8.Fp8Cache(
+            jax.ShapeDtypeStruct((*page, lkv), fp8.FP8),
+            jax.ShapeDtypeStruct((*page, mosaic.ROPE), BF16),
+            jax.ShapeDtypeStruct((*page, fp8.num_groups(lkv)), jnp.float32),
+        )
+    else:
+        cache = jax.ShapeDtypeStruct((*page, lkv + mosaic.ROPE), BF16)
     args = (
         jax.ShapeDtypeStruct((b, heads, lkv), BF16),
         jax.ShapeDtypeStruct((b, heads, mosaic.ROPE), BF16),
-        jax.ShapeDtypeStruct((32, mosaic.PAGE, lkv + mosaic.ROPE), BF16),
+        cache,
         jax.ShapeDtypeStruct((b, 8), jnp.int32),
     )
     lowered = f.trace(*args, schedule).lower(lowering_platforms=("cuda",))
@@ -216,3 +230,77 @@ def test_deepseek_scale_compiled(rng, n):
         num_items=pallas_triton.max_items(len(lens), programs),
     )
     _check(args, 0.07, schedule=schedule)
+
+
+# The FP8 cache (``fp8.Fp8Cache``, test_fp8_cache's cases: latent magnitudes that differ by
+# up to 2^±2 between tokens and scale groups, NaN in every part of the rows a request does
+# not own, table entries past its need -1 or far outside the cache) against float64
+# attention over the dequantized cache. The kernel dequantizes exactly (power-of-two
+# scales), so its rounding is the bf16 cache's: FP8_OUT_TOL relative L2 on out, and on lse
+# LSE_TOL absolute plus FP8_LSE_RTOL relative (these latents' scores put lse near 19 at
+# DeepSeek scale, where a float32 ulp is 1.9e-6). Measured (2026-11-25): interpret mode,
+# the interpreted cases below over seeds 0-3, out <= 1.84e-3 and lse <= 5.9e-6; compiled on
+# an H200 (approximate exp2 and log), lse up to 1.9e-5 off at lse ~19 (1.05e-6 relative).
+FP8_OUT_TOL, FP8_LSE_RTOL = 3e-3, 1e-6
+
+
+def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE):
+    args, dequantized = fp8_tests._fp8_case(rng, lens, n=n, lkv=lkv, r=mosaic.ROPE, block_size=64)
+    q_lat, q_pe, cache, table, lens = args
+    if programs is not None:
+        schedule = pallas_triton.schedule_splits(
+            lens,
+            num_programs=programs,
+            block_k=block_k,
+            num_items=pallas_triton.max_items(len(lens), programs),
+        )
+    queries = jnp.asarray(q_lat, BF16), jnp.asarray(q_pe, BF16)
+    assert mosaic.unsupported(*queries, cache) is None  # no fallback to Triton
+    got = mosaic.mla_decode(
+        *queries,
+        cache,
+        jnp.asarray(table),
+        jnp.asarray(lens),
+        scale=scale,
+        schedule=schedule,
+    )
+    want = bf16_tests._expected(q_lat, q_pe, dequantized, table, lens, scale)
+    out, lse = (np.asarray(jnp.asarray(a, jnp.float32)) for a in got)
+    live = lens > 0
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert rel_err(out[live], want[0][live]) < FP8_OUT_TOL
+    np.testing.assert_allclose(lse[live], want[1][live], rtol=FP8_LSE_RTOL, atol=LSE_TOL)
+    assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
+    return schedule
+
+
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_fp8_heads_lengths_and_splits(rng, n):
+    """test_heads_lengths_and_splits over the FP8 cache, Lkv 256: two scale groups, one in
+    each warpgroup's half of the columns; 16 heads padded to the 64-row tile."""
+    lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
+    _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4)
+
+
+def test_fp8_items_starting_inside_a_page(rng):
+    """A plan in 32-token steps: items start mid-page and end mid-page, an item's pages
+    dequantized with its own end (and the next item's first page after it)."""
+    schedule = _check_fp8(rng, [300, 97], n=16, lkv=128, scale=0.2, programs=7, block_k=32)
+    assert (np.asarray(schedule.item_start) % mosaic.PAGE != 0).any()
+
+
+def test_fp8_deepseek_dims(rng):
+    """Lkv 512 + R 64: four scale groups, two in each warpgroup's half, each program over
+    several pages and items; one request whole (no schedule)."""
+    _check_fp8(rng, [70, 1, 129, 0], n=16, lkv=512, scale=0.07, programs=2)
+    _check_fp8(rng, [150], n=16, lkv=512, scale=0.07)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_fp8_deepseek_scale_compiled(rng, n):
+    """test_deepseek_scale_compiled over the FP8 cache: a ragged batch of 64 requests up to
+    4096 tokens on the kernel's own program count (GPU only)."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:4] = [4096, 1, 64, 0]
+    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n))
