@@ -54,7 +54,7 @@ TRITON = KernelSet(
     prefill.flash_prefill,
     merge.merge_attn_states,
     grouped_matmul.grouped_matmul,
-    fp8_matmul.fp8_matmul,
+    fp8_matmul.fastest,
     backend="triton",
 )
 

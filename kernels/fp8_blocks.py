@@ -110,10 +110,7 @@ def dequantize_tile(
     if blocks.block_in % block_k == 0:
         # The K step lies in one scale row (k0 is a multiple of block_k, and k0 < K): a row
         # of scales; rows past K are zeros in the tile.
-        index = scale_ref.at[(*lead, k0 // blocks.block_in, scale_cols)]
-        scales = (index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0))[
-            None, :
-        ]
+        scales = step_scales(scale_ref, lead, k0, columns, col_ok, blocks, width)[None, :]
     else:  # blocks smaller than the step (tests' tiny blocks): a scale per element
         rows = (k0 + jnp.arange(block_k, dtype=jnp.int32)) // blocks.block_in
         mask = None if k_ok is None and col_ok is None else _mask(k_ok, col_ok, tile.shape)
@@ -124,6 +121,25 @@ def dequantize_tile(
         inside = _mask(k_ok, col_ok, tile.shape)
         values = jnp.where(inside, values, 0.0)
     return (values * scales).astype(dtype)
+
+
+def step_scales(
+    scale_ref, lead: tuple, k0, columns: jax.Array, col_ok: jax.Array | None, blocks, width: int
+) -> jax.Array:
+    """Inside a Pallas kernel: the ``[block_n]`` float32 scales of a K step at ``k0`` that
+    lies in one scale row (``blocks.block_in`` a multiple of the step), for ``columns``
+    (int32) of a ``width``-column weight; 0 where ``col_ok`` is False."""
+    index = scale_ref.at[(*lead, k0 // blocks.block_in, scale_columns(columns, width, blocks))]
+    return index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0)
+
+
+def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype) -> jax.Array:
+    """An fp8 weight tile converted (exactly) into ``dtype``, its masked elements (loaded
+    undefined) zeroed: the tile of a step whose scales go on the product instead."""
+    values = tile.astype(dtype)
+    if k_ok is not None or col_ok is not None:
+        values = jnp.where(_mask(k_ok, col_ok, tile.shape), values, jnp.zeros((), dtype))
+    return values
 
 
 def _mask(k_ok: jax.Array | None, col_ok: jax.Array | None, shape) -> jax.Array:

@@ -40,6 +40,8 @@ def accumulate(
     block_k: int,
     block_n: int,
     blocks: fp8_blocks.Fp8Blocks | None,
+    scale_product: bool = False,
+    swap_ab: bool = False,
 ) -> jax.Array:
     """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ rhs[lead, s, n0 +
     [0, block_n)]`` -> ``[block_m, block_n]`` float32 (the rows where ``row_ok [block_m]`` is
@@ -47,10 +49,20 @@ def accumulate(
     holds ``[..., K = depth, N = width]``; with ``blocks`` it is float8_e4m3fn and
     ``scale_ref [..., cdiv(K, block_in), ...]`` its scales, dequantized per tile into lhs's
     dtype; else it is in lhs's dtype and ``scale_ref`` is None. ``begin``, ``end``: int32
-    scalars within ``[0, cdiv(depth, block_k)]``."""
+    scalars within ``[0, cdiv(depth, block_k)]``.
+
+    ``scale_product`` (FP8 with ``blocks.block_in`` a multiple of ``block_k``): each step's
+    tile is only converted (exactly) into lhs's dtype and its scales multiply the step's
+    float32 product, ``[block_n]`` multiplies per step instead of ``block_k x block_n``.
+    ``swap_ab``: each step computes the transposed product ``b.T @ a.T`` (the weight tile is
+    the MMA's left operand, which Hopper's wgmma may take from registers, where the
+    converted tile already is), the accumulator ``[block_n, block_m]`` transposed at the
+    end."""
     block_m = row_ok.shape[0]
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < width if width % block_n else None
+    if scale_product and (blocks is None or blocks.block_in % block_k):
+        scale_product = False  # no per-step scale row: the tile is dequantized whole
 
     def step(s, acc, *, tail: bool):
         k0 = s * block_k
@@ -67,16 +79,28 @@ def accumulate(
         # when it is dequantized.
         fill = None if blocks is not None else 0
         b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=fill)
-        if blocks is not None:
+        scales = None
+        if scale_product:
+            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype)
+            scales = fp8_blocks.step_scales(scale_ref, lead, k0, cols, col_ok, blocks, width)
+        elif blocks is not None:
             b = fp8_blocks.dequantize_tile(
                 b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype
             )
-        return acc + online_softmax.dot(a, b)
+        if swap_ab:  # [block_n, block_m]
+            precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+            dims = (((0,), (1,)), ((), ()))
+            product = jax.lax.dot_general(
+                b, a, dims, precision=precision, preferred_element_type=jnp.float32
+            )
+            return acc + (product if scales is None else product * scales[:, None])
+        product = online_softmax.dot(a, b)
+        return acc + (product if scales is None else product * scales[None, :])
 
     # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and
     # a Python int beside a weakly typed jnp.where lowered to mixed ones.
     full_steps = jnp.int32(depth // block_k)
-    acc = jnp.zeros((block_m, block_n), jnp.float32)
+    acc = jnp.zeros((block_n, block_m) if swap_ab else (block_m, block_n), jnp.float32)
     acc = jax.lax.fori_loop(
         begin, jnp.minimum(end, full_steps), functools.partial(step, tail=False), acc
     )
@@ -84,4 +108,4 @@ def accumulate(
         acc = jax.lax.fori_loop(
             jnp.maximum(begin, full_steps), end, functools.partial(step, tail=True), acc
         )
-    return acc
+    return acc.T if swap_ab else acc

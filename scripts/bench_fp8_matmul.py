@@ -1,15 +1,22 @@
-"""FP8 weights kept FP8 (weight-only: tiles dequantized in the kernels, bf16 MMA) vs bf16
-weights, on the GPU, in one run: DeepSeek-V3's MoE layer (router, routed experts through the
-grouped matmul, shared experts) at decode (64 tokens) and at prefill (8192 tokens), and its
-dense projections (attention's q_a, q_b, kv_a, o_proj; a dense layer's MLP) at the same token
-counts. Random weights with 128 x 128 block scales; bf16 activations.
+"""FP8 weights kept FP8 vs bf16 weights, on the GPU, in one run: DeepSeek-V3's MoE layer
+(router, routed experts through the grouped matmul, shared experts) at decode (64 tokens) and
+at prefill (8192 tokens), and its dense projections (attention's q_a, q_b, kv_a, o_proj; a
+dense layer's MLP) at 1, 64 and 8192 tokens. Random weights with 128 x 128 block scales;
+bf16 activations.
 
     PYTHONPATH=. python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
-Each row: the bf16 time, the FP8 time, their ratio (issue 23 asks <= 0.6x at decode, <= 1x
-at prefill) and the FP8 path's relative error against its reference (the weights
-dequantized, then one matmul). ``--smoke``: V3's layer shrunk (hidden 32, 16 experts of width
-24) and small projections, few tokens, on the CPU, results under --out only.
+Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
+set: ``fp8_matmul.fastest`` for the projections, the grouped matmul with the tuned FP8
+configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
+its relative error against the reference (the weights dequantized, then one matmul), and for
+the projections the alternative the product did not pick at that row count: the Pallas
+kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS).
+``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
+``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
+dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
+``--smoke``: V3's layer shrunk (hidden 32, 16 experts of width 24) and small projections, few
+tokens, on the CPU, results under --out only.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import numpy as np
 from benchlib import jsonable, parse_args, parser, row, save, time_us
 from flax import nnx
 
+from mla_jax import kernels
+from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.model.config import MoEConfig, moe_preset
 from mla_jax.model.layers import Linear
 from mla_jax.model.moe import MoE
@@ -41,6 +50,7 @@ class Sizes:
     projections: dict
     tokens: tuple[int, int]
     blocks: tuple[int, int]
+    projection_tokens: tuple[int, ...]
 
 
 FULL = Sizes(
@@ -55,12 +65,14 @@ FULL = Sizes(
     },
     tokens=(64, 8192),
     blocks=BLOCKS,
+    projection_tokens=(1, 64, 8192),
 )
 SMOKE = Sizes(
     moe=dataclasses.replace(V3, hidden_size=32, n_routed_experts=16, moe_intermediate_size=24),
     projections={"q_a_proj": (64, 48), "o_proj": (40, 64)},
     tokens=(4, 40),
     blocks=(16, 16),
+    projection_tokens=(1, 4, 300),
 )
 
 
@@ -74,7 +86,18 @@ def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
     return module
 
 
-def _jitted(module: nnx.Module, impl: str):
+def _dequantized_dot(x, weight, scale_inv, *, blocks, config=None, interpret=None):
+    return fm.reference.dequantized_dot(x, weight, scale_inv, blocks=blocks)
+
+
+# The projections' alternatives: the GPU set with one FP8 path forced.
+ALTERNATIVES = {
+    "pallas": kernels.TRITON._replace(fp8_matmul=fm.fp8_matmul),
+    "dequant+cuBLAS": kernels.TRITON._replace(fp8_matmul=_dequantized_dot),
+}
+
+
+def _jitted(module: nnx.Module, impl):
     """``module(x, impl=impl)`` compiled, its weights passed as arguments (closed over, XLA
     would fold gigabytes of constants into the program)."""
     graphdef, state = nnx.split(module)
@@ -128,12 +151,15 @@ def projection_rows(sizes: Sizes) -> list[dict]:
     for name, (n_in, n_out) in sizes.projections.items():
         bf16 = Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0))
         fp8 = _fp8_state(Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0), sizes.blocks), 1)
-        for tokens in sizes.tokens:
+        for tokens in sizes.projection_tokens:
             keys = jax.random.split(jax.random.key(tokens), 3)
             args = [(jax.random.normal(k, (tokens, n_in), jnp.bfloat16),) for k in keys]
             kernel_fn = _jitted(fp8, "pallas")
             error_fns = (kernel_fn, _jitted(fp8, "reference"))
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
+            # The path the product did not take at this row count.
+            other = "pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
+            r["other"] = (other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))
             print(name, tokens, jsonable(r), flush=True)
             rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
     return rows
@@ -142,24 +168,42 @@ def projection_rows(sizes: Sizes) -> list[dict]:
 def _row(name: str, tokens: int, r: dict) -> dict:
     cells = [name, tokens, round(r["bf16"].us, 1), round(r["fp8"].us, 1)]
     cells += [f"{r['ratio']:.2f}x", f"{r['rel_err']:.1e}"]
-    return row(cells, bf16=r["bf16"], fp8=r["fp8"])
+    timings = dict(bf16=r["bf16"], fp8=r["fp8"])
+    if "other" in r:
+        other, timing = r["other"]
+        cells += [f"{other} {timing.us:.1f} ({timing.us / r['bf16'].us:.2f}x)"]
+        timings[other] = timing
+    else:
+        cells += [""]
+    return row(cells, **timings)
 
 
 def main():
     args = parse_args(parser(__doc__))
     sizes = SMOKE if args.smoke else FULL
-    rows = moe_rows(sizes) + projection_rows(sizes)
+    rows = projection_rows(sizes) + moe_rows(sizes)
     save(
         "fp8_matmul",
-        "FP8 weights (weight-only, dequantized per tile) vs bf16 weights, DeepSeek-V3 shapes",
-        ["what", "tokens", "bf16 us", "fp8 us", "fp8 / bf16", "fp8 rel err vs ref"],
+        "FP8 weights (what the product runs) vs bf16 weights, DeepSeek-V3 shapes",
+        [
+            "what",
+            "tokens",
+            "bf16 us",
+            "fp8 us",
+            "fp8 / bf16",
+            "fp8 rel err vs ref",
+            "fp8 alternative us (/ bf16)",
+        ],
         rows,
         [
             "bf16 activations. bf16: the MoE layer with the Pallas grouped matmul, the "
-            "projections as XLA dots; fp8: the same layer with FP8 experts and FP8 shared "
-            "experts (grouped_matmul with rhs_scale_inv, fp8_matmul), the projections through "
-            "fp8_matmul. Times: medians of the summed CUPTI kernel durations of warm calls "
-            "over 3 rotating inputs.",
+            "projections as XLA dots. fp8: what the GPU kernel set runs with FP8 weights: the "
+            "layer's experts through the grouped matmul with rhs_scale_inv (launch parameters "
+            "from kernels/tuned.py), its shared experts and the projections through "
+            f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
+            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
+            "the projection's other path at that row count (10 calls). Times: medians of the "
+            "summed CUPTI kernel durations of warm calls over 3 rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation).",
         ],

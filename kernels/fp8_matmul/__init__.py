@@ -1,7 +1,47 @@
 """The FP8 weight-only matmul of the decoder's projections: the Pallas kernel (Triton
-lowering) and its pure-jnp reference (``reference.fp8_matmul``, the same signature)."""
+lowering), its pure-jnp reference (``reference.fp8_matmul``, the same signature) and
+``fastest``, what the GPU kernel sets run: by row count (static, at trace time), the path
+measured fastest (``scripts/bench_fp8_matmul.py``)."""
 
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from .. import fp8_blocks, mosaic_gpu
 from . import reference
 from .pallas_triton import Fp8MatmulConfig, fp8_matmul
 
-__all__ = ["reference", "Fp8MatmulConfig", "fp8_matmul"]
+__all__ = ["reference", "Fp8MatmulConfig", "fp8_matmul", "fastest", "PALLAS_MAX_ROWS"]
+
+log = logging.getLogger(__name__)
+
+# Up to this many rows (decode) the Pallas kernel streams the fp8 weight once; above it
+# (prefill) a bf16 temporary of the weight and cuBLAS win: on an H200 the kernel is 3-5x
+# cuBLAS's bf16 time at 8192 rows, the temporary plus cuBLAS about 1.1x, and at 64 rows the
+# temporary alone costs 2-3x the bf16 matmul (benchmarks/fp8_matmul.json).
+PALLAS_MAX_ROWS = 256
+
+
+def fastest(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    blocks: fp8_blocks.Fp8Blocks,
+    config: Fp8MatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``x @ dequantize(weight, scale_inv)`` (``fp8_matmul``'s signature and result): the
+    Pallas kernel up to ``PALLAS_MAX_ROWS`` rows (or with an explicit ``config``), else
+    ``reference.dequantized_dot`` (the choice logged once per kind)."""
+    if config is None and x.shape[0] > PALLAS_MAX_ROWS:
+        mosaic_gpu.log_once(
+            log,
+            f"fp8_matmul: over {PALLAS_MAX_ROWS} rows the weight is dequantized into a "
+            "temporary and multiplied by XLA's dot (cuBLAS), faster there than the Pallas "
+            "kernel",
+        )
+        return reference.dequantized_dot(x, weight, scale_inv, blocks=blocks)
+    return fp8_matmul(x, weight, scale_inv, blocks=blocks, config=config, interpret=interpret)

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .. import fp8_blocks, matmul_steps, online_softmax
+from .. import tuned as _tuned
 
 # H100 SXM and H200 have 132 multiprocessors; the split of K aims at two programs on each.
 DEFAULT_NUM_SMS = 132
@@ -44,6 +45,10 @@ class Fp8MatmulConfig:
     k_splits: int = 1  # ranges of K run by separate programs, summed after the kernel
     num_warps: int = 8
     num_stages: int = 3
+    # FP8 weights: the scales multiply each K step's product (the tile only converted), and
+    # the weight tile as the MMA's left operand (matmul_steps.accumulate)
+    scale_product: bool = False
+    swap_ab: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -60,14 +65,18 @@ class Fp8MatmulConfig:
         """Launch parameters for ``[rows, depth] @ [depth, width]`` (static shapes, so it works
         under jit). Up to 64 rows (decode) stream the weight: one row tile, 64 columns and
         128 deep per step, K split until there are about two programs per multiprocessor
-        (each range at least 4 steps). More rows (prefill) run the defaults."""
+        (each range at least 4 steps), unless ``tuned.FP8_MATMUL`` holds the measured best for
+        the shape. More rows (prefill) run the defaults."""
         if rows > 64:
             return cls()
+        block_m = online_softmax.tile_width(rows)
+        tuned = _tuned.FP8_MATMUL.get(f"{block_m}x{depth}x{width}")
+        if tuned is not None:
+            return cls(**tuned)
         block_n, block_k = 64, 128
         column_tiles = math.ceil(width / block_n)
         steps = math.ceil(depth / block_k)
         splits = max(1, min(math.ceil(2 * num_sms / column_tiles), steps // 4))
-        block_m = online_softmax.tile_width(rows)
         return cls(block_m, block_n, block_k, splits, num_warps=4, num_stages=4)
 
 
@@ -99,6 +108,8 @@ def _fp8_matmul_kernel(
     block_k: int,
     steps_per_split: int,
     blocks: fp8_blocks.Fp8Blocks,
+    scale_product: bool,
+    swap_ab: bool,
 ):
     """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``;
     ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in x's dtype."""
@@ -122,6 +133,8 @@ def _fp8_matmul_kernel(
         block_k=block_k,
         block_n=block_n,
         blocks=blocks,
+        scale_product=scale_product,
+        swap_ab=swap_ab,
     )
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     partial = () if out_ref.ndim == 2 else (split,)
@@ -189,6 +202,8 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         block_k=block_k,
         steps_per_split=steps_per_split,
         blocks=blocks,
+        scale_product=config.scale_product,
+        swap_ab=config.swap_ab,
     )
     out_shape = (rows, weight.shape[1])
     if splits > 1:

@@ -36,3 +36,17 @@ def fp8_matmul(
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     out = jnp.dot(x, dense, precision=precision, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+def dequantized_dot(
+    x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, blocks: fp8_blocks.Fp8Blocks
+) -> jax.Array:
+    """``x @ dequantize(weight, scale_inv)`` as XLA runs it best on a GPU for many rows: the
+    weight dequantized into a temporary in x's dtype (one elementwise pass), then one dot
+    whose output is x's dtype (cuBLAS accumulates in float32; a float32 output converted
+    afterwards costs an extra pass over ``[M, N]``). XLA fuses no block-scale prologue into
+    its GEMMs: the temporary exists either way, and it is freed after the dot."""
+    check(x, weight, scale_inv, blocks)
+    dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.dot(x, dense, precision=precision)

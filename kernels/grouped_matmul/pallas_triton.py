@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .. import fp8_blocks, matmul_steps, online_softmax, tiling
+from .. import tuned as _tuned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +44,45 @@ class GroupedMatmulConfig:
     block_k: int = 64  # reduction depth per step
     num_warps: int = 8
     num_stages: int = 3
+    # FP8 weights: the scales multiply each K step's product (the tile only converted), and
+    # the weight tile as the MMA's left operand (matmul_steps.accumulate)
+    scale_product: bool = False
+    swap_ab: bool = False
+
+    @staticmethod
+    def regime(num_rows: int, num_groups: int) -> str:
+        """``"decode"`` (up to 16 rows per group on average), ``"mid"`` (up to 64) or
+        ``"prefill"``: the row regimes ``for_shape`` (and ``tuned.GROUPED_FP8``) tell apart."""
+        rows_per_group = num_rows / max(num_groups, 1)
+        if rows_per_group <= 16:
+            return "decode"
+        return "mid" if rows_per_group <= 64 else "prefill"
 
     @classmethod
-    def for_shape(cls, num_rows: int, num_groups: int) -> GroupedMatmulConfig:
+    def for_shape(
+        cls,
+        num_rows: int,
+        num_groups: int,
+        depth: int | None = None,
+        width: int | None = None,
+        fp8: bool = False,
+    ) -> GroupedMatmulConfig:
         """Launch parameters by the mean rows per group (static shapes only, so it works
         under jit). Few rows per group (decode: batch x top-k spread over the experts) is a
         stream of weights: 16-row tiles, so that one tile covers an expert's tokens and its
         weights are read once, with deep K steps and a deep pipeline. Many rows (prefill) is
         compute: 128-row tiles 256 columns wide (the fastest of ``scripts/bench_moe.py
-        --sweep``'s prefill variants; its decode variants ran about even)."""
-        rows_per_group = num_rows / max(num_groups, 1)
-        if rows_per_group <= 16:
+        --sweep``'s prefill variants; its decode variants ran about even). FP8 weights
+        (``fp8``, with ``[K, N] = [depth, width]``) run ``tuned.GROUPED_FP8``'s measured best
+        for the shape where it has one."""
+        regime = cls.regime(num_rows, num_groups)
+        if fp8:
+            tuned = _tuned.GROUPED_FP8.get(f"{regime}x{depth}x{width}")
+            if tuned is not None:
+                return cls(**tuned)
+        if regime == "decode":
             return cls(16, 128, 128, num_warps=4, num_stages=4)
-        if rows_per_group <= 64:
+        if regime == "mid":
             return cls(64, 128, 64, num_warps=4, num_stages=4)
         return cls()
 
@@ -89,6 +116,8 @@ def _grouped_matmul_kernel(
     block_n: int,
     block_k: int,
     blocks: fp8_blocks.Fp8Blocks | None,
+    scale_product: bool,
+    swap_ab: bool,
 ):
     """One row tile x ``block_n`` output columns (``rest``: rhs's scales with ``blocks``,
     then the output)."""
@@ -117,6 +146,8 @@ def _grouped_matmul_kernel(
         block_k=block_k,
         block_n=block_n,
         blocks=blocks,
+        scale_product=scale_product,
+        swap_ab=swap_ab,
     )
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     plgpu.store(
@@ -231,7 +262,9 @@ def grouped_matmul(
     check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()
-    config = config or GroupedMatmulConfig.for_shape(lhs.shape[0], group_sizes.shape[0])
+    config = config or GroupedMatmulConfig.for_shape(
+        lhs.shape[0], group_sizes.shape[0], *rhs.shape[1:], fp8=blocks is not None
+    )
     if schedule is not None:
         config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
@@ -281,6 +314,8 @@ def _grouped_matmul(
         block_n=block_n,
         block_k=block_k,
         blocks=blocks,
+        scale_product=config.scale_product,
+        swap_ab=config.swap_ab,
     )
     scales = () if blocks is None else (rhs_scale_inv,)
     out = pl.pallas_call(

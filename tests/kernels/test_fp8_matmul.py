@@ -10,17 +10,26 @@ of x, of the dequantized tile and of the output; measured <= 4.1e-3).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mla_jax.kernels import fp8_blocks
+from mla_jax.kernels import fp8_blocks, tuned
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import grouped_matmul as gm
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 7e-3}
-MATMULS = {"pallas": fm.fp8_matmul, "reference": fm.reference.fp8_matmul}
+MATMULS = {
+    "pallas": fm.fp8_matmul,
+    "reference": fm.reference.fp8_matmul,
+    "fastest": fm.fastest,
+    "dequantized_dot": lambda x, w, s, *, blocks, config=None: fm.reference.dequantized_dot(
+        x, w, s, blocks=blocks
+    ),
+}
 GROUPED = {"pallas": gm.grouped_matmul, "reference": gm.reference.grouped_matmul}
 
 
@@ -65,6 +74,22 @@ CASES = {
     "split-k": (3, 100, 72, (16, 32, 1), fm.Fp8MatmulConfig(16, 32, 16, 3, 4, 2)),
     "prefill-tiles": (130, 96, 40, (32, 32, 1), fm.Fp8MatmulConfig(32, 16, 32, 1, 4, 2)),
     "tiny": (2, 8, 12, (16, 8, 1), None),
+    # Scales on each step's product (the tile only converted) on a K and an N that are no
+    # multiples of the tiles, and the weight tile as the MMA's left operand.
+    "scale-product": (
+        21,
+        100,
+        72,
+        (16, 32, 1),
+        fm.Fp8MatmulConfig(16, 32, 16, 2, 4, 2, scale_product=True),
+    ),
+    "swap-ab": (
+        21,
+        100,
+        72,
+        (16, 32, 1),
+        fm.Fp8MatmulConfig(32, 16, 32, 1, 4, 2, scale_product=True, swap_ab=True),
+    ),
 }
 
 
@@ -116,6 +141,68 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
         start += size
     _check(got, want, dtype)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_grouped_matmul_fp8_scale_product(swap_ab, rng):
+    """FP8 experts with the scales on each step's product (and the weight tile as the left
+    operand), a K that is no multiple of the step, a fused gate_up's two grids."""
+    sizes, depth, width = [5, 0, 19, 3], 72, 48
+    blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
+    weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
+    lhs = jnp.asarray(rng.standard_normal((sum(sizes), depth)), jnp.float32)
+    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab)
+    got = gm.grouped_matmul(
+        lhs,
+        weight,
+        jnp.asarray(sizes, jnp.int32),
+        rhs_scale_inv=scale,
+        blocks=blocks,
+        config=config,
+    )
+    want, start = np.zeros((sum(sizes), width)), 0
+    for g, size in enumerate(sizes):
+        dense = _numpy_dequantize(weight[g], scale[g], blocks)
+        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
+        start += size
+    _check(got, want, jnp.float32)
+
+
+def test_fastest_picks_by_rows(monkeypatch):
+    """``fastest`` runs the Pallas kernel up to ``PALLAS_MAX_ROWS`` rows (or with a config),
+    the dequantized dot above them: static, by shape."""
+    calls = []
+    monkeypatch.setattr(fm, "fp8_matmul", lambda *a, **k: calls.append("pallas"))
+    monkeypatch.setattr(
+        fm.reference, "dequantized_dot", lambda *a, **k: calls.append("dequantized")
+    )
+    blocks = fp8_blocks.Fp8Blocks(16, 16)
+    weight, scale = jnp.zeros((32, 16), jnp.float8_e4m3fn), jnp.ones((2, 1), jnp.float32)
+    for rows in (1, fm.PALLAS_MAX_ROWS, fm.PALLAS_MAX_ROWS + 1):
+        fm.fastest(jnp.zeros((rows, 32), jnp.float32), weight, scale, blocks=blocks)
+    config = fm.Fp8MatmulConfig()
+    x = jnp.zeros((fm.PALLAS_MAX_ROWS + 1, 32), jnp.float32)
+    fm.fastest(x, weight, scale, blocks=blocks, config=config)
+    assert calls == ["pallas", "pallas", "dequantized", "pallas"]
+
+
+def test_tuned_configs_are_used(monkeypatch):
+    """``for_shape`` takes a measured config for its shape from ``kernels.tuned`` and falls
+    back on its rules for the others; the committed tables hold valid configs."""
+    for fields in tuned.FP8_MATMUL.values():
+        fm.Fp8MatmulConfig(**fields)
+    for fields in tuned.GROUPED_FP8.values():
+        gm.GroupedMatmulConfig(**fields)
+    mine = fm.Fp8MatmulConfig(16, 32, 64, 5, 2, 3, scale_product=True)
+    monkeypatch.setattr(tuned, "FP8_MATMUL", {"16x640x96": dataclasses.asdict(mine)})
+    assert fm.Fp8MatmulConfig.for_shape(3, 640, 96) == mine
+    assert fm.Fp8MatmulConfig.for_shape(3, 640, 112).block_n == 64
+    assert fm.Fp8MatmulConfig.for_shape(300, 640, 96) == fm.Fp8MatmulConfig()
+    grouped = gm.GroupedMatmulConfig(16, 64, 128, 4, 6, swap_ab=True)
+    monkeypatch.setattr(tuned, "GROUPED_FP8", {"decodex64x96": dataclasses.asdict(grouped)})
+    assert gm.GroupedMatmulConfig.for_shape(20, 8, 64, 96, fp8=True) == grouped
+    assert gm.GroupedMatmulConfig.for_shape(20, 8, 64, 96) != grouped  # bf16 weights
+    assert gm.GroupedMatmulConfig.for_shape(2000, 8, 64, 96, fp8=True) == gm.GroupedMatmulConfig()
 
 
 def test_fp8_inputs_refused():
