@@ -477,7 +477,9 @@ def _kernel(
                 vector each, loaded from global memory (a page ahead of their use)."""
                 block = block_table_ref[req, first_page + k]
                 return tuple(
-                    plgpu.load(cache_refs[2].at[block, :, g], layout=row_layout, optimized=False)
+                    plgpu.load(
+                        cache_refs[2].at[block, :, g], layout=row_layout, optimized=False
+                    ).astype(jnp.bfloat16)  # exact: powers of two in bf16's range
                     for g in groups
                 )
 
@@ -493,11 +495,13 @@ def _kernel(
                 for t in range(half_width // SWIZZLE_COLUMNS):
                     columns = pl.ds(w * half_width + t * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)
                     group = groups.index((w * half_width + t * SWIZZLE_COLUMNS) // fp8.GROUP)
-                    values = plgpu.load(
-                        fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
-                    ).astype(jnp.float32)
+                    values = fp8.to_bfloat16(
+                        plgpu.load(
+                            fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
+                        )
+                    )
                     values = values * lax.broadcast_in_dim(scales[group], values.shape, [0])
-                    kv_smem[0, :, columns] = jnp.where(valid, values, 0.0).astype(jnp.bfloat16)
+                    kv_smem[0, :, columns] = jnp.where(valid, values, jnp.zeros_like(values))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(dq_ready)
                 plgpu.barrier_wait(dq_ready)
@@ -586,7 +590,7 @@ def _kernel(
             if quantized:
                 # The first page's scales (no table entry is read for an empty item).
                 zeros = tuple(
-                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
+                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.bfloat16), row_layout)
                     for _ in groups
                 )
                 scales = lax.cond(pages > 0, lambda: page_scales(0), lambda: zeros)

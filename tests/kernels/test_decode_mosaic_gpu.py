@@ -304,3 +304,15 @@ def test_fp8_deepseek_scale_compiled(rng, n):
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
     _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n))
+
+
+@pytest.mark.parametrize("lkv", [256, 512])
+def test_fp8_single_keys_give_dequantized_rows_exactly(rng, lkv):
+    """Every finite e4m3 value, with scales from 2^-20 to 2^20, read back through one-key
+    softmaxes: the in-kernel dequantization (``fp8.to_bfloat16`` on the WGMMA layout's
+    registers, times the scale rows) is exact, as the interpreter and the GPU compute it."""
+    args, want = fp8_tests.single_token_case(rng, n=16, lkv=lkv, r=mosaic.ROPE)
+    assert mosaic.unsupported(*args[:3]) is None  # no fallback to Triton
+    out, _ = mosaic.mla_decode(*args, scale=0.1)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))

@@ -130,6 +130,54 @@ def _check(got, args, dequantized, scale):
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
 
 
+def test_to_bfloat16_exact_on_every_e4m3_value():
+    """The kernels' bit-moving conversion against NumPy's float8 decoding, all 256 bit
+    patterns: subnormals, both zeros and both NaNs included."""
+    bits = np.arange(256, dtype=np.uint8)
+    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), fp8.FP8)
+    got = np.asarray(jax.jit(fp8.to_bfloat16)(values).astype(jnp.float32), np.float64)
+    want = bits.view(fp8.FP8).astype(np.float64)  # ml_dtypes' decoding
+    np.testing.assert_array_equal(got, want)  # NaN where NaN
+    number = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[number]), np.signbit(want[number]))  # -0
+
+
+def single_token_case(rng, *, n, lkv, r):
+    """Requests of one token each, whose latents run through every finite e4m3 bit pattern
+    times power-of-two scales from 2^-20 to 2^20: with one key a request's softmax is 1, so
+    the decode's ``out`` is its token's dequantized latent row, exactly (bf16 holds every
+    such value). Returns the decode's arguments (bf16 queries, an ``Fp8Cache`` of pages of
+    64 with NaN in every row no request owns) and the float64 rows ``out`` must equal."""
+    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    b = -(-finite.size // lkv) * 4
+    patterns = rng.permutation(np.resize(finite, b * lkv)).reshape(b, lkv)
+    values = jnp.asarray(patterns).view(fp8.FP8)
+    scales = 2.0 ** rng.integers(-20, 21, (b, fp8.num_groups(lkv))).astype(np.float32)
+    block = 64
+    kv_c = jnp.full((b, block, lkv), jnp.nan, fp8.FP8).at[:, 0].set(values)
+    k_pe = jnp.full((b, block, r), jnp.nan, jnp.bfloat16).at[:, 0].set(0.0)
+    scale_rows = jnp.full((b, block, scales.shape[1]), jnp.nan).at[:, 0].set(scales)
+    cache = fp8.Fp8Cache(kv_c, k_pe, scale_rows)
+    table = rng.permutation(b).astype(np.int32)[:, None]
+    # The blocks are shuffled: request i owns block table[i], which holds latent row table[i].
+    want = _dequantized(values, jnp.asarray(scales))[table[:, 0]]
+    # Zero queries: every score is 0, so the one key's probability is exactly 1 however a
+    # kernel rounds or contracts its softmax arithmetic (what is tested is the values' path).
+    q_lat, q_pe = (jnp.zeros((b, n, d), jnp.bfloat16) for d in (lkv, r))
+    return (q_lat, q_pe, cache, jnp.asarray(table), jnp.ones(b, jnp.int32)), want
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_single_keys_give_dequantized_rows_exactly(rng, impl):
+    """Every finite e4m3 value and scales far apart, read back through a one-key softmax:
+    the decode dequantizes exactly (the Triton kernel through its scaled probabilities)."""
+    args, want = single_token_case(rng, n=16, lkv=128, r=16)
+    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
+    out, lse = fn(*args, scale=0.1)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))
+
+
 @pytest.mark.parametrize(
     "impl,variant",
     [
