@@ -364,19 +364,33 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
 
 
 # Compile options of the Mosaic GPU kernel, each on top of the defaults.
-MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
+MOSAIC_SWEEP = [
+    {},
+    dict(auto_barriers=True),
+    dict(approx_math=False),
+    dict(fp8_bit_conversion=True),
+]
+# Options of the FP8 cache's path alone: their trials (and the defaults') time it too.
+MOSAIC_FP8_OPTIONS = {"fp8_bit_conversion"}
 
 
 def _mosaic_trials(rng, sizes: Sizes) -> list:
     """``sweep`` trials of MOSAIC_SWEEP on ``sizes.mosaic_sweep_cases`` (Triton timed beside
-    the defaults)."""
+    the defaults; the FP8 cache beside the defaults and its own options)."""
     lens_of = dict(sizes.cases)
     return [
         (
             {"case": label, "N": n},
             v,
             lambda label=label, n=n, v=v: _mosaic_case(
-                rng, label, lens_of[label], n, sizes, v, with_triton=not v
+                rng,
+                label,
+                lens_of[label],
+                n,
+                sizes,
+                v,
+                with_triton=not v,
+                with_fp8=not v or bool(MOSAIC_FP8_OPTIONS & v.keys()),
             ),
         )
         for n, labels in sizes.mosaic_sweep_cases

@@ -29,8 +29,9 @@ Over an FP8 cache (``fp8.Fp8Cache``) the same kernel (a static variant) copies e
 e4m3 latent and bf16 rope by TMA, two pages deep, and at the start of a page both
 warpgroups dequantize it into one bf16 page in shared memory, each the half of the columns
 its products use: e4m3 -> float32 times the token's power-of-two scale (loaded from global
-memory a page ahead) -> bf16, exact, with the rows past the item's end written as zeros. The
-wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
+memory a page ahead) -> bf16, exact (or ``fp8.to_bfloat16`` and the scale in bf16:
+``MosaicDecodeConfig.fp8_bit_conversion``), with the rows past the item's end written as
+zeros. The wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
 
 Runs on sm90 with page 64, bf16 (or an FP8 cache with bf16 rope), ``Lkv`` a multiple of 128
 and ``R == 64``; ``mla_decode`` hands anything else to the Triton kernel (logged once per
@@ -74,10 +75,16 @@ class MosaicDecodeConfig:
     approx_math: exp2 through the special-function unit (``ex2.approx``), as FlashMLA.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
+    fp8_bit_conversion: how an FP8 page becomes bf16 (below).
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
+    # FP8 cache: e4m3 -> bf16 through one float16 conversion and moved bits
+    # (``fp8.to_bfloat16``, scales multiplied in bf16) instead of e4m3 -> float16 -> float32
+    # x scale -> bf16 (three conversion instructions a pair of values more). Both exact;
+    # off until timed on a GPU (``bench_decode.py --sweep mgpu``).
+    fp8_bit_conversion: bool = False
 
 
 def padded_heads(num_heads: int) -> int:
@@ -301,7 +308,12 @@ def _decode_call(
         **fp8_scratch,
     )
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, interpret=bool(interpret)),
+        functools.partial(
+            _kernel,
+            scale=scale,
+            bit_conversion=config.fp8_bit_conversion,
+            interpret=bool(interpret),
+        ),
         out_type=(
             jax.ShapeDtypeStruct((b, heads, lkv), q_lat.dtype),
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
@@ -351,6 +363,7 @@ def _kernel(
     q_free,
     l_ready,
     scale,
+    bit_conversion,
     interpret,
     fp8_smem=None,
     dq_ready=None,
@@ -477,9 +490,7 @@ def _kernel(
                 vector each, loaded from global memory (a page ahead of their use)."""
                 block = block_table_ref[req, first_page + k]
                 return tuple(
-                    plgpu.load(
-                        cache_refs[2].at[block, :, g], layout=row_layout, optimized=False
-                    ).astype(jnp.bfloat16)  # exact: powers of two in bf16's range
+                    plgpu.load(cache_refs[2].at[block, :, g], layout=row_layout, optimized=False)
                     for g in groups
                 )
 
@@ -495,13 +506,16 @@ def _kernel(
                 for t in range(half_width // SWIZZLE_COLUMNS):
                     columns = pl.ds(w * half_width + t * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)
                     group = groups.index((w * half_width + t * SWIZZLE_COLUMNS) // fp8.GROUP)
-                    values = fp8.to_bfloat16(
-                        plgpu.load(
-                            fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
-                        )
+                    values = plgpu.load(
+                        fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
                     )
-                    values = values * lax.broadcast_in_dim(scales[group], values.shape, [0])
-                    kv_smem[0, :, columns] = jnp.where(valid, values, jnp.zeros_like(values))
+                    if bit_conversion:
+                        values = fp8.to_bfloat16(values)
+                        factor = scales[group].astype(jnp.bfloat16)  # exact: a power of two
+                    else:
+                        values, factor = values.astype(jnp.float32), scales[group]
+                    values = values * lax.broadcast_in_dim(factor, values.shape, [0])
+                    kv_smem[0, :, columns] = jnp.where(valid, values, 0).astype(jnp.bfloat16)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(dq_ready)
                 plgpu.barrier_wait(dq_ready)
@@ -590,7 +604,7 @@ def _kernel(
             if quantized:
                 # The first page's scales (no table entry is read for an empty item).
                 zeros = tuple(
-                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.bfloat16), row_layout)
+                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
                     for _ in groups
                 )
                 scales = lax.cond(pages > 0, lambda: page_scales(0), lambda: zeros)
