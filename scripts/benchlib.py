@@ -12,6 +12,7 @@ page. CI runs every script this way (``tests/scripts/test_smoke.py``).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import glob
 import gzip
@@ -112,31 +113,88 @@ class Timing(NamedTuple):
         }
 
 
-def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] | None:
-    """Per-call summed kernel durations and the per-kernel medians from a profiler trace, or
-    None when the trace holds no kernel events."""
+def _traced_calls(calls: list[tuple[str, object, tuple]]) -> dict[str, list[list[dict]]]:
+    """Runs ``(label, fn, args)`` calls in order inside one profiler trace; ``label -> [the
+    kernel events (CUPTI) of each of its calls]``."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
-        for i in range(reps):
-            with jax.profiler.TraceAnnotation(f"bench_call_{i}"):
-                jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+        for i, (label, fn, args) in enumerate(calls):
+            with jax.profiler.TraceAnnotation(f"bench_call|{label}|{i}"):
+                jax.block_until_ready(fn(*args))
         jax.profiler.stop_trace()
         [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             trace = json.load(f)
-    calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("bench_call_")]
     kernels = _gpu_kernel_events(trace)
-    per_call, per_kernel = [], {}
-    for c in calls:
-        mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
-        per_call.append(float(sum(k["dur"] for k in mine)))
+    per_label: dict[str, list[list[dict]]] = {}
+    for c in trace["traceEvents"]:
+        if c.get("name", "").startswith("bench_call|"):
+            mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
+            per_label.setdefault(c["name"].split("|")[1], []).append(mine)
+    return per_label
+
+
+def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] | None:
+    """Per-call summed kernel durations and the per-kernel medians from a profiler trace, or
+    None when the trace holds no kernel events."""
+    calls = [("fn", fn, arg_sets[i % len(arg_sets)]) for i in range(reps)]
+    per_call_events = _traced_calls(calls).get("fn", [])
+    per_call = [float(sum(k["dur"] for k in mine)) for mine in per_call_events]
+    if len(per_call) != reps or min(per_call) <= 0:
+        print("warning: no kernel events in the trace; timing wall clock")
+        return None
+    per_kernel = {}
+    for mine in per_call_events:
         for k in mine:
             per_kernel.setdefault(k["name"], []).append(k["dur"])
-    if len(per_call) != reps or min(per_call) <= 0:
-        print(f"warning: no kernel events in the trace ({len(kernels)} found); timing wall clock")
-        return None
     breakdown = {k: float(np.median(v)) * len(v) / reps for k, v in per_kernel.items()}
     return per_call, breakdown
+
+
+def time_many(fns: dict, reps: int, on_failure=None) -> dict[str, tuple[float, list[str]]]:
+    """Candidates of a tuning or exploration run: ``name -> (jitted fn, argument sets)``,
+    each compiled (in parallel threads) and called once per argument set, then all called
+    ``reps`` times (cycling through their sets) inside one profiler trace. Returns ``name ->
+    (median summed kernel microseconds per call, the names of its kernels)``; wall clock and
+    no kernel names off a GPU. A candidate that fails to compile or run is left out, printed
+    and passed to ``on_failure(name, exception)``."""
+
+    def compile_one(item):
+        name, (fn, args) = item
+        try:
+            return name, fn.lower(*args[0]).compile(), None
+        except Exception as e:  # noqa: BLE001
+            return name, None, e
+
+    ready = {}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for name, fn, err in pool.map(compile_one, fns.items()):
+            args = fns[name][1]
+            try:
+                if err is not None:
+                    raise err
+                for a in args:
+                    jax.block_until_ready(fn(*a))
+                ready[name] = (fn, args)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                if on_failure is not None:
+                    on_failure(name, e)
+    if jax.default_backend() != "gpu":
+        return {
+            name: (float(np.median(_wall_us(fn, args, reps))), [])
+            for name, (fn, args) in ready.items()
+        }
+    calls = [
+        (name, fn, args[i % len(args)]) for name, (fn, args) in ready.items() for i in range(reps)
+    ]
+    return {
+        name: (
+            float(np.median([sum(k["dur"] for k in mine) for mine in per_call])),
+            sorted({k["name"] for k in per_call[-1]}),
+        )
+        for name, per_call in _traced_calls(calls).items()
+    }
 
 
 def _wall_us(fn, arg_sets: list[tuple], reps: int) -> list[float]:

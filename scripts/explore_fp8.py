@@ -11,14 +11,10 @@ is benchmarks/tuning/fp8_matmul_variants.json.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import glob
-import gzip
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -29,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import _gpu_kernel_events  # noqa: E402
+import benchlib  # noqa: E402
 
 from mla_jax.kernels import fp8_blocks  # noqa: E402
 from mla_jax.kernels import fp8_matmul as fm  # noqa: E402
@@ -64,59 +60,12 @@ def dump():
 
 
 def time_many(fns: dict, reps: int = REPS) -> dict:
-    """name -> (fn, arg_sets): median summed kernel us per call, kernel names."""
-    ready = {}
-
-    def compile_one(item):
-        name, (fn, args) = item
-        try:
-            return name, fn.lower(*args[0]).compile(), None
-        except Exception as e:  # noqa: BLE001
-            return name, None, e
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        compiled = list(pool.map(compile_one, fns.items()))
-    for name, fn, err in compiled:
-        args = fns[name][1]
-        try:
-            if err is not None:
-                raise err
-            for a in args:
-                jax.block_until_ready(fn(*a))
-            ready[name] = (fn, args)
-            fns[name] = (fn, args)
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            RESULTS.append({"failed": name, "error": str(e)[-1500:]})
-    if SMOKE or jax.default_backend() != "gpu":
-        out = {}
-        for name, (fn, args) in ready.items():
-            t = time.perf_counter()
-            for i in range(reps):
-                jax.block_until_ready(fn(*args[i % len(args)]))
-            out[name] = ((time.perf_counter() - t) / reps * 1e6, [])
-        return out
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d, create_perfetto_trace=True)
-        for name, (fn, args) in ready.items():
-            for i in range(reps):
-                with jax.profiler.TraceAnnotation(f"call|{name}|{i}"):
-                    jax.block_until_ready(fn(*args[i % len(args)]))
-        jax.profiler.stop_trace()
-        [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("call|")]
-    kernels = sorted(_gpu_kernel_events(trace), key=lambda k: k["ts"])
-    per = {}
-    for c in calls:
-        name = c["name"].split("|")[1]
-        mine = [k for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
-        per.setdefault(name, []).append((sum(k["dur"] for k in mine), [k["name"] for k in mine]))
-    return {
-        n: (float(np.median([v[0] for v in vals])), sorted(set(vals[-1][1])))
-        for n, vals in per.items()
-    }
+    """benchlib.time_many, failures recorded in the results."""
+    return benchlib.time_many(
+        fns,
+        reps,
+        on_failure=lambda name, e: RESULTS.append({"failed": name, "error": str(e)[-1500:]}),
+    )
 
 
 def rand_fp8(key, shape, blocks):

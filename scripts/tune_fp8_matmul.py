@@ -17,22 +17,17 @@ The tables are rewritten after each shape, so a run cut short keeps what it meas
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import functools
-import glob
-import gzip
 import json
 import math
 import os
 import pprint
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from benchlib import RESULTS, ROOT, _gpu_kernel_events, machine
+from benchlib import RESULTS, ROOT, machine, time_many
 
 from mla_jax.kernels import fp8_blocks, tuned
 from mla_jax.kernels import fp8_matmul as fm
@@ -50,58 +45,6 @@ DENSE = {  # bench_fp8_matmul.FULL's projections
 EXPERTS = dict(num=256, hidden=7168, inter=2048, topk=8, tokens=(64, 8192))
 SMOKE_DENSE = {"q_a_proj": (64, 48)}
 SMOKE_EXPERTS = dict(num=8, hidden=32, inter=16, topk=2, tokens=(4, 600))
-
-
-def time_many(fns: dict, reps: int) -> dict:
-    """``name -> (jitted fn, argument sets)``: each compiled (in parallel threads), then
-    called ``reps`` times inside one profiler trace; ``name -> median summed kernel us per
-    call`` (wall clock off a GPU). A candidate that fails to compile or run is left out and
-    printed."""
-
-    def compile_one(item):
-        name, (fn, args) = item
-        try:
-            return name, fn.lower(*args[0]).compile(), None
-        except Exception as e:  # noqa: BLE001
-            return name, None, e
-
-    ready = {}
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        for name, fn, err in pool.map(compile_one, fns.items()):
-            args = fns[name][1]
-            try:
-                if err is not None:
-                    raise err
-                for a in args:
-                    jax.block_until_ready(fn(*a))
-                ready[name] = (fn, args)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {name}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    if jax.default_backend() != "gpu":
-        out = {}
-        for name, (fn, args) in ready.items():
-            t = time.perf_counter()
-            for i in range(reps):
-                jax.block_until_ready(fn(*args[i % len(args)]))
-            out[name] = (time.perf_counter() - t) / reps * 1e6
-        return out
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d, create_perfetto_trace=True)
-        for name, (fn, args) in ready.items():
-            for i in range(reps):
-                with jax.profiler.TraceAnnotation(f"call|{name}|{i}"):
-                    jax.block_until_ready(fn(*args[i % len(args)]))
-        jax.profiler.stop_trace()
-        [path] = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    calls = [e for e in trace["traceEvents"] if e.get("name", "").startswith("call|")]
-    kernels = _gpu_kernel_events(trace)
-    per = {}
-    for c in calls:
-        mine = [k["dur"] for k in kernels if c["ts"] <= k["ts"] < c["ts"] + c["dur"]]
-        per.setdefault(c["name"].split("|")[1], []).append(float(sum(mine)))
-    return {name: float(np.median(v)) for name, v in per.items()}
 
 
 def dense_candidates(rows: int, depth: int, width: int) -> dict:
@@ -179,7 +122,7 @@ def tune_dense(shapes, block, reps, record, table):
                 )
                 for c, cfg in cands.items()
             }
-            us = time_many(fns, reps)
+            us = {name: t for name, (t, _) in time_many(fns, reps).items()}
             best = min(us, key=us.get)
             key = f"{cands[best].block_m}x{depth}x{width}"
             table[key] = dataclasses.asdict(cands[best])
@@ -215,7 +158,8 @@ def tune_grouped(sizes, block, reps, record, table):
                     jax.jit(lambda x, w, g, s, run=run: run(x, w, g, rhs_scale_inv=s)),
                     [(x, weight, group_sizes, scale) for x in lhs],
                 )
-            us = time_many(fns, reps if rows < 10_000 else max(2, reps // 2))
+            timed = time_many(fns, reps if rows < 10_000 else max(2, reps // 2))
+            us = {name: t for name, (t, _) in timed.items()}
             best = min(us, key=us.get)
             table[f"{regime}x{shape[1]}x{shape[2]}"] = dataclasses.asdict(cands[best])
             record.append(
