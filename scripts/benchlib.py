@@ -151,13 +151,19 @@ def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] 
     return per_call, breakdown
 
 
-def time_many(fns: dict, reps: int, on_failure=None) -> dict[str, tuple[float, list[str]]]:
+def time_many(
+    fns: dict, reps: int, on_failure=None, *, smoke: bool = False
+) -> dict[str, tuple[float, list[str]]]:
     """Candidates of a tuning or exploration run: ``name -> (jitted fn, argument sets)``,
     each compiled (in parallel threads) and called once per argument set, then all called
     ``reps`` times (cycling through their sets) inside one profiler trace. Returns ``name ->
     (median summed kernel microseconds per call, the names of its kernels)``; wall clock and
     no kernel names off a GPU. A candidate that fails to compile or run is left out, printed
-    and passed to ``on_failure(name, exception)``."""
+    and passed to ``on_failure(name, exception)``; in a smoke run (``smoke``, or a script's
+    ``--smoke``) it is raised, and only the first ``SMOKE_TRIALS`` candidates run."""
+    smoke = smoke or _smoke
+    if smoke:
+        fns = dict(list(fns.items())[:SMOKE_TRIALS])
 
     def compile_one(item):
         name, (fn, args) = item
@@ -177,6 +183,8 @@ def time_many(fns: dict, reps: int, on_failure=None) -> dict[str, tuple[float, l
                     jax.block_until_ready(fn(*a))
                 ready[name] = (fn, args)
             except Exception as e:  # noqa: BLE001
+                if smoke:
+                    raise
                 print(f"  {name}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 if on_failure is not None:
                     on_failure(name, e)

@@ -65,6 +65,7 @@ def time_many(fns: dict, reps: int = REPS) -> dict:
         fns,
         reps,
         on_failure=lambda name, e: RESULTS.append({"failed": name, "error": str(e)[-1500:]}),
+        smoke=SMOKE,
     )
 
 
@@ -356,6 +357,8 @@ if __name__ == "__main__":
         try:
             {"grouped": grouped, "dense": dense}[part]()
         except Exception:  # noqa: BLE001
+            if SMOKE:  # a smoke run checks the script: its failures fail it
+                raise
             traceback.print_exc()
             RESULTS.append({"failed": part, "error": traceback.format_exc()[-3000:]})
             dump()

@@ -16,7 +16,6 @@ The tables are rewritten after each shape, so a run cut short keeps what it meas
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -27,7 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from benchlib import RESULTS, ROOT, machine, time_many
+from benchlib import RESULTS, ROOT, machine, parse_args, parser, time_many
 
 from mla_jax.kernels import fp8_blocks, tuned
 from mla_jax.kernels import fp8_matmul as fm
@@ -184,15 +183,8 @@ def write_tables(path: str, dense: dict, grouped: dict, device: str) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.smoke:
-        jax.config.update("jax_platforms", "cpu")
-    out = args.out or (None if args.smoke else os.path.join(RESULTS, "tuning"))
-    if out is None:
-        ap.error("--smoke writes under --out only")
+    args = parse_args(parser(__doc__))
+    out = args.out or os.path.join(RESULTS, "tuning")
     os.makedirs(out, exist_ok=True)
     # Only a full run without --out rewrites the kernels' tables; else the JSON keeps them.
     table_path = None if args.smoke or args.out else os.path.join(ROOT, "kernels", "tuned.py")
