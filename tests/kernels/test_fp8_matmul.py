@@ -90,6 +90,15 @@ CASES = {
         (16, 32, 1),
         fm.Fp8MatmulConfig(32, 16, 32, 1, 4, 2, scale_product=True, swap_ab=True),
     ),
+    # The tiles' e4m3 values converted through moved bits (fp8.to_bfloat16) before their
+    # scales.
+    "bit-conversion": (
+        21,
+        100,
+        72,
+        (16, 32, 1),
+        fm.Fp8MatmulConfig(16, 32, 16, 2, 4, 2, bit_conversion=True),
+    ),
 }
 
 
@@ -143,15 +152,20 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_grouped_matmul_fp8_scale_product(swap_ab, rng):
+@pytest.mark.parametrize(
+    "swap_ab, bit_conversion", [(False, False), (True, False), (False, True)], ids=str
+)
+def test_grouped_matmul_fp8_scale_product(swap_ab, bit_conversion, rng):
     """FP8 experts with the scales on each step's product (and the weight tile as the left
-    operand), a K that is no multiple of the step, a fused gate_up's two grids."""
+    operand, or its values converted through moved bits), a K that is no multiple of the
+    step, a fused gate_up's two grids."""
     sizes, depth, width = [5, 0, 19, 3], 72, 48
     blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
     weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
     lhs = jnp.asarray(rng.standard_normal((sum(sizes), depth)), jnp.float32)
-    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab)
+    config = gm.GroupedMatmulConfig(
+        16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab, bit_conversion=bit_conversion
+    )
     got = gm.grouped_matmul(
         lhs,
         weight,
