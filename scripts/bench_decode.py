@@ -436,6 +436,7 @@ FP8_SWEEP = [
     dict(prefetch=True, split_tail=False, block_k=32),
     dict(prefetch=True, split_tail=False, num_warps=8),
     dict(fp8_compute="float16"),
+    dict(bit_conversion=True),
     dict(fp8_compute="float16", prefetch=True, split_tail=False),
 ]
 

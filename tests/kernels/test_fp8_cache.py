@@ -167,13 +167,21 @@ def single_token_case(rng, *, n, lkv, r):
     return (q_lat, q_pe, cache, jnp.asarray(table), jnp.ones(b, jnp.int32)), want
 
 
-@pytest.mark.parametrize("impl", ["pallas", "reference"])
-def test_single_keys_give_dequantized_rows_exactly(rng, impl):
+@pytest.mark.parametrize(
+    "impl, config",
+    [("pallas", None), ("pallas", {"bit_conversion": True}), ("reference", None)],
+    ids=["pallas", "pallas-bits", "reference"],
+)
+def test_single_keys_give_dequantized_rows_exactly(rng, impl, config):
     """Every finite e4m3 value and scales far apart, read back through a one-key softmax:
     the decode dequantizes exactly (the Triton kernel through its scaled probabilities)."""
     args, want = single_token_case(rng, n=16, lkv=128, r=16)
-    fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
-    out, lse = fn(*args, scale=0.1)
+    if impl == "pallas":
+        n, b = args[0].shape[1], args[0].shape[0]
+        launch = dataclasses.replace(decode.DecodeConfig.for_shape(n, b), **(config or {}))
+        out, lse = decode.mla_decode(*args, scale=0.1, config=launch)
+    else:
+        out, lse = decode.reference.mla_decode(*args, scale=0.1)
     got = np.asarray(out.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))
 
@@ -183,13 +191,15 @@ def test_single_keys_give_dequantized_rows_exactly(rng, impl):
     [
         *bf16_tests.VARIANTS,
         pytest.param("pallas", {"fp8_compute": "float16"}, id="pallas-float16"),
+        pytest.param("pallas", {"bit_conversion": True}, id="pallas-bits"),
     ],
 )
 @pytest.mark.parametrize("block_size", [1, 16, 32, 64, 128])
 def test_fp8_lengths_and_block_sizes(rng, block_size, impl, variant):
     """test_decode_kernel's lengths (0, 1, block boundaries, ragged) and page sizes over an
     FP8 cache of two scale groups, the second one short (Lkv 192 = 128 + 64), in every
-    launch variant and with the tiles converted to float16 instead of bf16."""
+    launch variant and with the tiles converted to float16 instead of bf16, or to bf16
+    through moved bits."""
     bs = block_size
     lens = [0, 1, bs, 2 * bs, bs + 3, 3 * bs - 1, int(rng.integers(1, 4 * bs))]
     args, dequantized = _fp8_case(rng, lens, block_size=bs)
@@ -256,6 +266,13 @@ def test_fp8_bad_inputs(rng):
             **q,
             kv_cache=cache,
             config=dataclasses.replace(config, fp8_compute="float8_e4m3fn"),
+            **kw,
+        )
+    with pytest.raises(ValueError, match="bit_conversion converts to bfloat16"):
+        decode.mla_decode(
+            **q,
+            kv_cache=cache,
+            config=dataclasses.replace(config, fp8_compute="float16", bit_conversion=True),
             **kw,
         )
     with pytest.raises(ValueError, match="prefetch needs split_tail False"):
