@@ -88,12 +88,14 @@ def quantize(kv_c: jax.Array) -> tuple[jax.Array, jax.Array]:
 def to_bfloat16(values: jax.Array) -> jax.Array:
     """``values`` float8_e4m3fn -> bfloat16, exact (NaN stays NaN), cheaply on a GPU.
 
-    A GPU converts e4m3 only to float16 in one instruction (per pair of values); bf16 takes
-    two more conversions through float32, and conversions run at a sixteenth of the rate of
-    arithmetic on Hopper. Every e4m3 value is a float16 normal number (or zero) with three
-    mantissa bits, so its float16 bits ``s eeeee mmm0000000`` (bias 15) shifted to ``s
-    000eeeee mmm0000`` are a normal bf16 number (bias 127) equal to it times 2^-112: two
-    integer operations and one exact multiply by 2^112 finish the conversion.
+    A Hopper GPU converts a pair of e4m3 values only to float16 in one instruction; bf16
+    takes two or three more conversions (through float16, or float32), and conversion
+    instructions have a fraction of the throughput of arithmetic (Triton's own sm90 int8
+    and e5m2 conversions use bit operations for that reason). Every e4m3 value is a float16
+    normal number (or zero) with three mantissa bits, so its float16 bits ``s eeeee
+    mmm0000000`` (bias 15) shifted to ``s 000eeeee mmm0000`` are a normal bf16 number (bias
+    127) equal to it times 2^-112: integer operations and one exact multiply by 2^112 finish
+    the conversion, subnormal-free (no flush-to-zero can touch it).
     """
     half = values.astype(jnp.float16)
     bits = lax.bitcast_convert_type(half, jnp.uint16)

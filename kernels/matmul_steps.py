@@ -59,8 +59,8 @@ def accumulate(
     the MMA's left operand, which Hopper's wgmma may take from registers, where the
     converted tile already is), the accumulator ``[block_n, block_m]`` transposed at the
     end. ``bit_conversion``: FP8 tiles converted through ``fp8.to_bfloat16`` (one conversion
-    instruction a pair of values and integer operations on a GPU, where e4m3 -> bf16 or
-    float32 takes three)."""
+    instruction a pair of values and integer operations, where Triton's e4m3 -> bf16 or
+    float32 takes three on sm90)."""
     block_m = row_ok.shape[0]
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < width if width % block_n else None
