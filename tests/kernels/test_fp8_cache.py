@@ -412,3 +412,31 @@ def test_cache_dtype_names():
     assert cache_dtype("fp8", jnp.float32) == "fp8"
     with pytest.raises(ValueError, match="'auto' \\(the model's float16\\)"):
         cache_dtype("auto", jnp.float16)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="compiled there by the tests above")
+@pytest.mark.parametrize("bit_conversion", [False, True])
+def test_triton_decode_lowers_for_cuda(bit_conversion):
+    """The Triton decode over an FP8 cache, lowered for a GPU on any machine: the bit
+    conversion's bitcasts and integer operations are ops Pallas' Triton lowering takes
+    (interpret mode runs them as jnp); Triton's compile needs the GPU."""
+    b, n, lkv, r, page = 2, 16, 512, 64, 64
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, b), bit_conversion=bit_conversion)
+    cache = fp8.Fp8Cache(
+        jax.ShapeDtypeStruct((8, page, lkv), fp8.FP8),
+        jax.ShapeDtypeStruct((8, page, r), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, page, fp8.num_groups(lkv)), jnp.float32),
+    )
+    f = jax.jit(
+        lambda q_lat, q_pe, cache, table, lens: decode.mla_decode(
+            q_lat, q_pe, cache, table, lens, scale=0.07, config=config, interpret=False
+        )
+    )
+    args = (
+        jax.ShapeDtypeStruct((b, n, lkv), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, n, r), jnp.bfloat16),
+        cache,
+        jax.ShapeDtypeStruct((b, 4), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    assert "triton" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

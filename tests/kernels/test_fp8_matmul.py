@@ -11,7 +11,9 @@ of x, of the dequantized tile and of the output; measured <= 4.1e-3).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -229,3 +231,40 @@ def test_fp8_inputs_refused():
         fm.fp8_matmul(x, weight.astype(jnp.float32), jnp.ones((2, 3), jnp.float32), blocks=blocks)
     with pytest.raises(ValueError, match="rhs_scale_inv and blocks go together"):
         gm.grouped_matmul(x, weight[None], jnp.asarray([4], jnp.int32), blocks=blocks)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="compiled there by the tests above")
+@pytest.mark.parametrize("bit_conversion", [False, True])
+def test_kernels_lower_for_cuda(bit_conversion):
+    """The dense and grouped kernels' Triton lowering for a GPU, run on any machine: the
+    bit conversion's bitcasts and integer operations are ops Pallas' Triton lowering takes
+    (interpret mode runs them as jnp); Triton's compile needs the GPU."""
+    blocks = fp8_blocks.Fp8Blocks(128, 128)
+    weight = jax.ShapeDtypeStruct((512, 256), fp8_blocks.FP8)
+    scales = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+    dense = functools.partial(
+        fm.fp8_matmul,
+        blocks=blocks,
+        config=fm.Fp8MatmulConfig(16, 64, 128, 2, 4, 4, bit_conversion=bit_conversion),
+        interpret=False,
+    )
+    grouped = functools.partial(
+        gm.grouped_matmul,
+        blocks=blocks,
+        config=gm.GroupedMatmulConfig(
+            16, 64, 128, 4, 4, scale_product=True, bit_conversion=bit_conversion
+        ),
+        interpret=False,
+    )
+    x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
+    experts = jax.ShapeDtypeStruct((3, 512, 256), fp8_blocks.FP8)
+    expert_scales = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
+    for f, args in (
+        (dense, (x, weight, scales)),
+        (
+            lambda x, w, g, s: grouped(x, w, g, rhs_scale_inv=s),
+            (x, experts, jax.ShapeDtypeStruct((3,), jnp.int32), expert_scales),
+        ),
+    ):
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
