@@ -23,20 +23,6 @@ from mla_jax.model.rope import cos_sin_scale, inv_freq  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# One persistent compilation cache for the whole run, shared by the xdist workers (the
-# controller makes the folder; workers inherit the variable): tests that build engines of
-# the same model and settings load each other's programs instead of compiling them again.
-if "MLA_TEST_PROGRAM_CACHE" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    os.environ["MLA_TEST_PROGRAM_CACHE"] = tempfile.mkdtemp(prefix="mla_test_programs_")
-    atexit.register(shutil.rmtree, os.environ["MLA_TEST_PROGRAM_CACHE"], ignore_errors=True)
-from mla_jax.engine import compilation  # noqa: E402
-
-compilation.enable_cache(os.environ["MLA_TEST_PROGRAM_CACHE"])
-
 
 def generate_script():
     """``scripts/generate.py`` as a module (scripts/ is not a package)."""
