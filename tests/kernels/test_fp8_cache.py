@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_decode_kernel as bf16_tests
-from conftest import rel_err
+from conftest import rel_err, triton_lowering_without_gpu
 
 from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_cache
 from mla_jax.checkpoint.loader import load_model
@@ -414,7 +414,7 @@ def test_cache_dtype_names():
         cache_dtype("auto", jnp.float16)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="compiled there by the tests above")
+@triton_lowering_without_gpu
 @pytest.mark.parametrize("bit_conversion", [False, True])
 def test_triton_decode_lowers_for_cuda(bit_conversion):
     """The Triton decode over an FP8 cache, lowered for a GPU on any machine: the bit

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import triton_lowering_without_gpu
 
 from mla_jax.kernels import fp8_blocks, tuned
 from mla_jax.kernels import fp8_matmul as fm
@@ -233,7 +234,7 @@ def test_fp8_inputs_refused():
         gm.grouped_matmul(x, weight[None], jnp.asarray([4], jnp.int32), blocks=blocks)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="compiled there by the tests above")
+@triton_lowering_without_gpu
 @pytest.mark.parametrize("bit_conversion", [False, True])
 def test_kernels_lower_for_cuda(bit_conversion):
     """The dense and grouped kernels' Triton lowering for a GPU, run on any machine: the
