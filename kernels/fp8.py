@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 GROUP = 128  # latent values per scale
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -83,25 +82,6 @@ def quantize(kv_c: jax.Array) -> tuple[jax.Array, jax.Array]:
     scales = jnp.ldexp(jnp.ones_like(amax), jnp.clip(exponent, -126, 127))
     values = x / jnp.repeat(scales, GROUP, axis=-1)[..., :lkv]
     return values.astype(FP8), scales
-
-
-def to_bfloat16(values: jax.Array) -> jax.Array:
-    """``values`` float8_e4m3fn -> bfloat16, exact (NaN stays NaN), cheaply on a GPU.
-
-    A Hopper GPU converts a pair of e4m3 values only to float16 in one instruction; bf16
-    takes two or three more conversions (through float16, or float32), and conversion
-    instructions have a fraction of the throughput of arithmetic (Triton's own sm90 int8
-    and e5m2 conversions use bit operations for that reason). Every e4m3 value is a float16
-    normal number (or zero) with three mantissa bits, so its float16 bits ``s eeeee
-    mmm0000000`` (bias 15) shifted to ``s 000eeeee mmm0000`` are a normal bf16 number (bias
-    127) equal to it times 2^-112: integer operations and one exact multiply by 2^112 finish
-    the conversion, subnormal-free (no flush-to-zero can touch it).
-    """
-    half = values.astype(jnp.float16)
-    bits = lax.bitcast_convert_type(half, jnp.uint16)
-    moved = lax.bitcast_convert_type((bits & 0x8000) | ((bits & 0x7FFF) >> 3), jnp.bfloat16)
-    value = moved * jnp.asarray(2.0**112, jnp.bfloat16)
-    return jnp.where(jnp.isnan(half), jnp.asarray(jnp.nan, jnp.bfloat16), value)
 
 
 def dequantize(kv_c: jax.Array, k_pe: jax.Array, scales: jax.Array) -> jax.Array:

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from . import fp8
 from .fp8 import FP8
 
 
@@ -100,14 +99,12 @@ def dequantize_tile(
     blocks: Fp8Blocks,
     width: int,
     dtype,
-    bit_conversion: bool = False,
 ) -> jax.Array:
     """Inside a Pallas kernel: the fp8 weight tile ``[block_k, block_n]`` at rows ``k0 + [0,
     block_k)`` and ``columns [block_n]`` (int32) of a ``width``-column weight, times its
     scales read from ``scale_ref`` (indexed by the scalars ``lead``, then the grid's row and
     column) -> ``dtype``. ``k_ok [block_k]`` and ``col_ok [block_n]`` (or None: all inside):
-    the tile's rows and columns inside the weight; no scale outside it is read.
-    ``bit_conversion``: the fp8 values reach float32 through ``fp8.to_bfloat16`` (exact)."""
+    the tile's rows and columns inside the weight; no scale outside it is read."""
     block_k = tile.shape[0]
     scale_cols = scale_columns(columns, width, blocks)
     if blocks.block_in % block_k == 0:
@@ -119,7 +116,7 @@ def dequantize_tile(
         mask = None if k_ok is None and col_ok is None else _mask(k_ok, col_ok, tile.shape)
         index = scale_ref.at[(*lead, rows[:, None], scale_cols[None, :])]
         scales = index[...] if mask is None else plgpu.load(index, mask=mask, other=0.0)
-    values = (fp8.to_bfloat16(tile) if bit_conversion else tile).astype(jnp.float32)
+    values = tile.astype(jnp.float32)
     if k_ok is not None or col_ok is not None:  # masked elements were loaded undefined
         inside = _mask(k_ok, col_ok, tile.shape)
         values = jnp.where(inside, values, 0.0)
@@ -136,11 +133,10 @@ def step_scales(
     return index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0)
 
 
-def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype, bit_conversion: bool = False) -> jax.Array:
+def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype) -> jax.Array:
     """An fp8 weight tile converted (exactly) into ``dtype``, its masked elements (loaded
-    undefined) zeroed: the tile of a step whose scales go on the product instead.
-    ``bit_conversion``: through ``fp8.to_bfloat16``."""
-    values = (fp8.to_bfloat16(tile) if bit_conversion else tile).astype(dtype)
+    undefined) zeroed: the tile of a step whose scales go on the product instead."""
+    values = tile.astype(dtype)
     if k_ok is not None or col_ok is not None:
         values = jnp.where(_mask(k_ok, col_ok, tile.shape), values, jnp.zeros((), dtype))
     return values

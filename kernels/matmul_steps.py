@@ -42,7 +42,6 @@ def accumulate(
     blocks: fp8_blocks.Fp8Blocks | None,
     scale_product: bool = False,
     swap_ab: bool = False,
-    bit_conversion: bool = False,
 ) -> jax.Array:
     """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ rhs[lead, s, n0 +
     [0, block_n)]`` -> ``[block_m, block_n]`` float32 (the rows where ``row_ok [block_m]`` is
@@ -58,9 +57,7 @@ def accumulate(
     ``swap_ab``: each step computes the transposed product ``b.T @ a.T`` (the weight tile is
     the MMA's left operand, which Hopper's wgmma may take from registers, where the
     converted tile already is), the accumulator ``[block_n, block_m]`` transposed at the
-    end. ``bit_conversion``: FP8 tiles converted through ``fp8.to_bfloat16`` (one conversion
-    instruction a pair of values and integer operations, where Triton's e4m3 -> bf16 or
-    float32 takes three on sm90)."""
+    end."""
     block_m = row_ok.shape[0]
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = cols < width if width % block_n else None
@@ -84,11 +81,11 @@ def accumulate(
         b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=fill)
         scales = None
         if scale_product:
-            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype, bit_conversion)
+            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype)
             scales = fp8_blocks.step_scales(scale_ref, lead, k0, cols, col_ok, blocks, width)
         elif blocks is not None:
             b = fp8_blocks.dequantize_tile(
-                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype, bit_conversion
+                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype
             )
         if swap_ab:  # [block_n, block_m]
             precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

@@ -1,6 +1,6 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu]]
+    python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu]]
         [--kernel triton|mgpu] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
@@ -364,19 +364,12 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
 
 
 # Compile options of the Mosaic GPU kernel, each on top of the defaults.
-MOSAIC_SWEEP = [
-    {},
-    dict(auto_barriers=True),
-    dict(approx_math=False),
-    dict(fp8_bit_conversion=True),
-]
-# Options of the FP8 cache's path alone: their trials (and the defaults') time it too.
-MOSAIC_FP8_OPTIONS = {"fp8_bit_conversion"}
+MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
 
 
 def _mosaic_trials(rng, sizes: Sizes) -> list:
     """``sweep`` trials of MOSAIC_SWEEP on ``sizes.mosaic_sweep_cases`` (Triton timed beside
-    the defaults; the FP8 cache beside the defaults and its own options)."""
+    the defaults, and the FP8 cache)."""
     lens_of = dict(sizes.cases)
     return [
         (
@@ -390,7 +383,7 @@ def _mosaic_trials(rng, sizes: Sizes) -> list:
                 sizes,
                 v,
                 with_triton=not v,
-                with_fp8=not v or bool(MOSAIC_FP8_OPTIONS & v.keys()),
+                with_fp8=not v,
             ),
         )
         for n, labels in sizes.mosaic_sweep_cases
@@ -436,7 +429,6 @@ FP8_SWEEP = [
     dict(prefetch=True, split_tail=False, block_k=32),
     dict(prefetch=True, split_tail=False, num_warps=8),
     dict(fp8_compute="float16"),
-    dict(bit_conversion=True),
     dict(fp8_compute="float16", prefetch=True, split_tail=False),
 ]
 

@@ -4,11 +4,11 @@ consult), with every candidate's time in ``benchmarks/tuning/fp8_tune.json``:
 
 * the dense projections' Pallas kernel at decode (1 and 64 rows) for the shapes
   ``bench_fp8_matmul.py`` measures: column tile, K step, K splits (programs per
-  multiprocessor), warps, stages, scales on the product, the e4m3 conversion;
+  multiprocessor), warps, stages, scales on the product;
 * the grouped matmul with DeepSeek-V3's FP8 experts (``gate_up_proj``, ``down_proj``) at
   decode (64 tokens x top-8) and prefill (8192 tokens x top-8), random routing.
 
-    PYTHONPATH=. python scripts/tune_fp8_matmul.py [--smoke] [--out DIR]
+    python scripts/tune_fp8_matmul.py [--smoke] [--out DIR]
 
 The tables are rewritten after each shape, so a run cut short keeps what it measured.
 ``--smoke``: tiny shapes on the CPU (interpreted), results under --out only.
@@ -65,10 +65,6 @@ def dense_candidates(rows: int, depth: int, width: int) -> dict:
         "k64_st6_splits4": make(block_k=64, stages=6, per_sm=4),
         "splits4_scaleprod": make(per_sm=4, scale_product=True),
         "n128_w8_splits8": make(block_n=128, per_sm=8, warps=8),
-        # e4m3 converted through moved bits (fp8.to_bfloat16): fewer conversion instructions
-        "splits4_bits": make(per_sm=4, bit_conversion=True),
-        "n128_splits8_bits": make(block_n=128, per_sm=8, bit_conversion=True),
-        "splits4_scaleprod_bits": make(per_sm=4, scale_product=True, bit_conversion=True),
     }
 
 
@@ -84,8 +80,6 @@ def grouped_candidates(regime: str) -> dict:
             "n64_scaleprod": dataclasses.replace(base, block_n=64, scale_product=True),
             "st6_scaleprod": dataclasses.replace(base, num_stages=6, scale_product=True),
             "w8_scaleprod": dataclasses.replace(base, num_warps=8, scale_product=True),
-            "bits": dataclasses.replace(base, bit_conversion=True),
-            "scaleprod_bits": dataclasses.replace(base, scale_product=True, bit_conversion=True),
         }
     base = cfg()
     return {
@@ -96,7 +90,6 @@ def grouped_candidates(regime: str) -> dict:
         "n128_k128_scaleprod": cfg(128, 128, 128, 8, 3, scale_product=True),
         "m64_n256_w4_scaleprod": cfg(64, 256, 64, 4, 4, scale_product=True),
         "k128_st4_scaleprod": cfg(128, 256, 128, 8, 4, scale_product=True),
-        "scaleprod_bits": dataclasses.replace(base, scale_product=True, bit_conversion=True),
     }
 
 

@@ -29,9 +29,8 @@ Over an FP8 cache (``fp8.Fp8Cache``) the same kernel (a static variant) copies e
 e4m3 latent and bf16 rope by TMA, two pages deep, and at the start of a page both
 warpgroups dequantize it into one bf16 page in shared memory, each the half of the columns
 its products use: e4m3 -> float32 times the token's power-of-two scale (loaded from global
-memory a page ahead) -> bf16, exact (or ``fp8.to_bfloat16`` and the scale in bf16:
-``MosaicDecodeConfig.fp8_bit_conversion``), with the rows past the item's end written as
-zeros. The wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
+memory a page ahead) -> bf16, exact, with the rows past the item's end written as zeros.
+The wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
 
 Runs on sm90 with page 64, bf16 (or an FP8 cache with bf16 rope), ``Lkv`` a multiple of 128
 and ``R == 64``; ``mla_decode`` hands anything else to the Triton kernel (logged once per
@@ -75,16 +74,10 @@ class MosaicDecodeConfig:
     approx_math: exp2 through the special-function unit (``ex2.approx``), as FlashMLA.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
-    fp8_bit_conversion: how an FP8 page becomes bf16 (below).
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
-    # FP8 cache: e4m3 -> bf16 through one float16 conversion and moved bits
-    # (``fp8.to_bfloat16``, scales multiplied in bf16) instead of e4m3 -> float16 -> float32
-    # x scale -> bf16 (three conversion instructions a pair of values more). Both exact;
-    # off until timed on a GPU (``bench_decode.py --sweep mgpu``).
-    fp8_bit_conversion: bool = False
 
 
 def padded_heads(num_heads: int) -> int:
@@ -311,7 +304,6 @@ def _decode_call(
         functools.partial(
             _kernel,
             scale=scale,
-            bit_conversion=config.fp8_bit_conversion,
             interpret=bool(interpret),
         ),
         out_type=(
@@ -363,7 +355,6 @@ def _kernel(
     q_free,
     l_ready,
     scale,
-    bit_conversion,
     interpret,
     fp8_smem=None,
     dq_ready=None,
@@ -468,6 +459,10 @@ def _kernel(
 
             plgpu.barrier_wait(q_ready)
 
+            def last_page_cut(k):
+                """Whether page ``k`` has rows past the item's end."""
+                return (k == pages - 1) & (end % PAGE != 0)
+
             def zero_past_end(slot, k):
                 """Zeroes the value rows of page ``k`` past the item's end (stale or NaN rows
                 of a page a request does not fill) before any product reads them."""
@@ -499,23 +494,30 @@ def _kernel(
                 into the bf16 page, times their power-of-two scales (exact), rows past the
                 item's end zeroed; returns once both halves are there."""
                 plgpu.barrier_wait(kv_ready.at[slot])
-                row = plgpu.broadcasted_iota(
-                    jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
-                )
-                valid = row < end - (first_page + k) * PAGE
-                for t in range(half_width // SWIZZLE_COLUMNS):
-                    columns = pl.ds(w * half_width + t * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)
-                    group = groups.index((w * half_width + t * SWIZZLE_COLUMNS) // fp8.GROUP)
-                    values = plgpu.load(
-                        fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
-                    )
-                    if bit_conversion:
-                        values = fp8.to_bfloat16(values)
-                        factor = scales[group].astype(jnp.bfloat16)  # exact: a power of two
-                    else:
-                        values, factor = values.astype(jnp.float32), scales[group]
-                    values = values * lax.broadcast_in_dim(factor, values.shape, [0])
-                    kv_smem[0, :, columns] = jnp.where(valid, values, 0).astype(jnp.bfloat16)
+
+                def convert(past_end: bool):
+                    # The zeroing's selects only where there are rows to zero: on every
+                    # page they cost 7% of the kernel (128 x 4096 at 128 heads, H200).
+                    if past_end:
+                        row = plgpu.broadcasted_iota(
+                            jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
+                        )
+                        valid = row < end - (first_page + k) * PAGE
+                    for t in range(half_width // SWIZZLE_COLUMNS):
+                        first = w * half_width + t * SWIZZLE_COLUMNS
+                        columns = pl.ds(first, SWIZZLE_COLUMNS)
+                        values = plgpu.load(
+                            fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
+                        ).astype(jnp.float32)
+                        factor = scales[groups.index(first // fp8.GROUP)]
+                        values = values * lax.broadcast_in_dim(factor, values.shape, [0])
+                        if past_end:
+                            values = jnp.where(valid, values, 0)
+                        kv_smem[0, :, columns] = values.astype(jnp.bfloat16)
+
+                past_end = last_page_cut(k)
+                pl.when(past_end)(functools.partial(convert, True))
+                pl.when(jnp.logical_not(past_end))(functools.partial(convert, False))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(dq_ready)
                 plgpu.barrier_wait(dq_ready)
@@ -570,9 +572,7 @@ def _kernel(
                     # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it.
                     s, _ = scores(slot, 0)
                     if not quantized:  # (dequantize zeroes them)
-                        pl.when((k == pages - 1) & (end % PAGE != 0))(
-                            functools.partial(zero_past_end, slot, k)
-                        )
+                        pl.when(last_page_cut(k))(functools.partial(zero_past_end, slot, k))
                     m0, l, alpha0 = own_chunk(slot, k, s, m, l)
                     acc, m1 = accumulate(
                         acc, alpha0, p_smem.at[slot, 0], values(slot, 0), lambda: other_probs(1)

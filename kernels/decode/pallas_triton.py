@@ -73,10 +73,6 @@ class DecodeConfig:
     # but queries round to float16 (10 mantissa bits; |q| must stay below 65504) and
     # probabilities x scales below 2^-14 lose precision (float16's subnormals).
     fp8_compute: str = "bfloat16"
-    # FP8 cache, bfloat16 compute only: the e4m3 tiles converted through fp8.to_bfloat16 (one
-    # conversion instruction a pair of values and integer operations, where Triton's e4m3 ->
-    # bf16 takes three on sm90), also exact.
-    bit_conversion: bool = False
 
     @classmethod
     def for_shape(cls, num_heads: int, batch: int) -> DecodeConfig:
@@ -274,7 +270,6 @@ def _decode_kernel(
     split_tail: bool,
     prefetch: bool,
     fp8_compute: str,
-    bit_conversion: bool,
 ):
     """One program x one block of heads: online softmax over each of its items. Queries
     and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns).
@@ -318,9 +313,7 @@ def _decode_kernel(
         def attend(j, state, keys, *, masked: bool):
             """Folds step j's ``block_k`` tokens (their loaded ``keys``) into ``state``."""
             kv_c, kv_scales, k_pe = keys
-            kv_c = tuple(
-                fp8.to_bfloat16(tile) if bit_conversion else tile.astype(lat_dtype) for tile in kv_c
-            )
+            kv_c = tuple(tile.astype(lat_dtype) for tile in kv_c)
             s = functools.reduce(
                 operator.add,
                 (
@@ -549,8 +542,6 @@ def mla_decode(
         raise ValueError(
             f"config.fp8_compute {config.fp8_compute!r} must be 'bfloat16' or 'float16'"
         )
-    if config.bit_conversion and config.fp8_compute != "bfloat16":
-        raise ValueError("config.bit_conversion converts to bfloat16: set fp8_compute bfloat16")
     if interpret is None:
         interpret = online_softmax.interpret_default()
     config = dataclasses.replace(
@@ -602,7 +593,6 @@ def _mla_decode(
             split_tail=config.split_tail,
             prefetch=config.prefetch,
             fp8_compute=config.fp8_compute,
-            bit_conversion=config.bit_conversion,
         ),
         grid=(heads // config.block_h, num_programs),
         out_shape=(

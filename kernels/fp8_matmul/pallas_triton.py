@@ -45,12 +45,10 @@ class Fp8MatmulConfig:
     k_splits: int = 1  # ranges of K run by separate programs, summed after the kernel
     num_warps: int = 8
     num_stages: int = 3
-    # FP8 weights: the scales multiply each K step's product (the tile only converted), the
-    # weight tile as the MMA's left operand, its e4m3 values converted through moved bits
-    # (matmul_steps.accumulate)
+    # FP8 weights: the scales multiply each K step's product (the tile only converted), and
+    # the weight tile as the MMA's left operand (matmul_steps.accumulate)
     scale_product: bool = False
     swap_ab: bool = False
-    bit_conversion: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -112,7 +110,6 @@ def _fp8_matmul_kernel(
     blocks: fp8_blocks.Fp8Blocks,
     scale_product: bool,
     swap_ab: bool,
-    bit_conversion: bool,
 ):
     """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``;
     ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in x's dtype."""
@@ -138,7 +135,6 @@ def _fp8_matmul_kernel(
         blocks=blocks,
         scale_product=scale_product,
         swap_ab=swap_ab,
-        bit_conversion=bit_conversion,
     )
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     partial = () if out_ref.ndim == 2 else (split,)
@@ -208,7 +204,6 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         blocks=blocks,
         scale_product=config.scale_product,
         swap_ab=config.swap_ab,
-        bit_conversion=config.bit_conversion,
     )
     out_shape = (rows, weight.shape[1])
     if splits > 1:

@@ -44,12 +44,10 @@ class GroupedMatmulConfig:
     block_k: int = 64  # reduction depth per step
     num_warps: int = 8
     num_stages: int = 3
-    # FP8 weights: the scales multiply each K step's product (the tile only converted), the
-    # weight tile as the MMA's left operand, its e4m3 values converted through moved bits
-    # (matmul_steps.accumulate)
+    # FP8 weights: the scales multiply each K step's product (the tile only converted), and
+    # the weight tile as the MMA's left operand (matmul_steps.accumulate)
     scale_product: bool = False
     swap_ab: bool = False
-    bit_conversion: bool = False
 
     @staticmethod
     def regime(num_rows: int, num_groups: int) -> str:
@@ -120,7 +118,6 @@ def _grouped_matmul_kernel(
     blocks: fp8_blocks.Fp8Blocks | None,
     scale_product: bool,
     swap_ab: bool,
-    bit_conversion: bool,
 ):
     """One row tile x ``block_n`` output columns (``rest``: rhs's scales with ``blocks``,
     then the output)."""
@@ -151,7 +148,6 @@ def _grouped_matmul_kernel(
         blocks=blocks,
         scale_product=scale_product,
         swap_ab=swap_ab,
-        bit_conversion=bit_conversion,
     )
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     plgpu.store(
@@ -320,7 +316,6 @@ def _grouped_matmul(
         blocks=blocks,
         scale_product=config.scale_product,
         swap_ab=config.swap_ab,
-        bit_conversion=config.bit_conversion,
     )
     scales = () if blocks is None else (rhs_scale_inv,)
     out = pl.pallas_call(

@@ -40,8 +40,6 @@ if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
     pytest.skip("Mosaic GPU interpret mode needs jax >= 0.11", allow_module_level=True)
 
 BF16 = jnp.bfloat16
-# The FP8 cache's other conversion (``MosaicDecodeConfig.fp8_bit_conversion``).
-BIT_CONVERSION = mosaic.MosaicDecodeConfig(fp8_bit_conversion=True)
 
 
 def _run(args, *, scale, schedule=None, **kwargs):
@@ -137,17 +135,9 @@ def test_deepseek_dims(rng):
     tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
     reason="compiled on jax 0.11 only (0.12's lowering refuses the output stores)",
 )
-@pytest.mark.parametrize(
-    "quantized, config",
-    [
-        (False, mosaic.MosaicDecodeConfig()),
-        (True, mosaic.MosaicDecodeConfig()),
-        (True, BIT_CONVERSION),
-    ],
-    ids=["bf16", "fp8", "fp8-bits"],
-)
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("n", [16, 128])
-def test_lowers_for_sm90(n, quantized, config):
+def test_lowers_for_sm90(n, quantized):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
     all but a few KB of it, with either cache) are checked there; only ptxas and the run
@@ -168,7 +158,7 @@ def test_lowers_for_sm90(n, quantized, config):
             scale=0.07,
             programs=8,
             items=schedule.item_req.shape[0],
-            config=config,
+            config=mosaic.MosaicDecodeConfig(),
             interpret=False,
         )
     )
@@ -254,9 +244,7 @@ def test_deepseek_scale_compiled(rng, n):
 FP8_OUT_TOL, FP8_LSE_RTOL = 3e-3, 1e-6
 
 
-def _check_fp8(
-    rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE, config=None
-):
+def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE):
     args, dequantized = fp8_tests._fp8_case(rng, lens, n=n, lkv=lkv, r=mosaic.ROPE, block_size=64)
     q_lat, q_pe, cache, table, lens = args
     if programs is not None:
@@ -275,7 +263,6 @@ def _check_fp8(
         jnp.asarray(lens),
         scale=scale,
         schedule=schedule,
-        config=config,
     )
     want = bf16_tests._expected(q_lat, q_pe, dequantized, table, lens, scale)
     out, lse = (np.asarray(jnp.asarray(a, jnp.float32)) for a in got)
@@ -287,14 +274,12 @@ def _check_fp8(
     return schedule
 
 
-@pytest.mark.parametrize(
-    "n, config", [(16, None), (64, None), (128, None), (64, BIT_CONVERSION)], ids=str
-)
-def test_fp8_heads_lengths_and_splits(rng, n, config):
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_fp8_heads_lengths_and_splits(rng, n):
     """test_heads_lengths_and_splits over the FP8 cache, Lkv 256: two scale groups, one in
     each warpgroup's half of the columns; 16 heads padded to the 64-row tile."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
-    _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4, config=config)
+    _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4)
 
 
 def test_fp8_items_starting_inside_a_page(rng):
@@ -312,23 +297,21 @@ def test_fp8_deepseek_dims(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, BIT_CONVERSION], ids=["float32", "bits"])
 @pytest.mark.parametrize("n", [16, 64, 128])
-def test_fp8_deepseek_scale_compiled(rng, n, config):
+def test_fp8_deepseek_scale_compiled(rng, n):
     """test_deepseek_scale_compiled over the FP8 cache: a ragged batch of 64 requests up to
     4096 tokens on the kernel's own program count (GPU only)."""
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
-    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n), config=config)
+    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n))
 
 
-@pytest.mark.parametrize("config", [None, BIT_CONVERSION], ids=["float32", "bits"])
-def test_fp8_single_keys_give_dequantized_rows_exactly(rng, config):
+def test_fp8_single_keys_give_dequantized_rows_exactly(rng):
     """Every finite e4m3 value, with scales from 2^-20 to 2^20, read back through one-key
-    softmaxes: the in-kernel dequantization of either conversion (on the WGMMA layout's
-    registers, times the scale rows) is exact, as the interpreter and the GPU compute it."""
+    softmaxes: the in-kernel dequantization (on the WGMMA layout's registers, times the
+    scale rows) is exact, as the interpreter and the GPU compute it."""
     args, want = fp8_tests.single_token_case(rng, n=16, lkv=512, r=mosaic.ROPE)
     assert mosaic.unsupported(*args[:3]) is None  # no fallback to Triton
-    out, _ = mosaic.mla_decode(*args, scale=0.1, config=config)
+    out, _ = mosaic.mla_decode(*args, scale=0.1)
     got = np.asarray(out.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))

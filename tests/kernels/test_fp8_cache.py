@@ -130,18 +130,6 @@ def _check(got, args, dequantized, scale):
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
 
 
-def test_to_bfloat16_exact_on_every_e4m3_value():
-    """The kernels' bit-moving conversion against NumPy's float8 decoding, all 256 bit
-    patterns: subnormals, both zeros and both NaNs included."""
-    bits = np.arange(256, dtype=np.uint8)
-    values = jax.lax.bitcast_convert_type(jnp.asarray(bits), fp8.FP8)
-    got = np.asarray(jax.jit(fp8.to_bfloat16)(values).astype(jnp.float32), np.float64)
-    want = bits.view(fp8.FP8).astype(np.float64)  # ml_dtypes' decoding
-    np.testing.assert_array_equal(got, want)  # NaN where NaN
-    number = ~np.isnan(want)
-    np.testing.assert_array_equal(np.signbit(got[number]), np.signbit(want[number]))  # -0
-
-
 def single_token_case(rng, *, n, lkv, r):
     """Requests of one token each, whose latents run through every finite e4m3 bit pattern
     times power-of-two scales from 2^-20 to 2^20: with one key a request's softmax is 1, so
@@ -167,19 +155,13 @@ def single_token_case(rng, *, n, lkv, r):
     return (q_lat, q_pe, cache, jnp.asarray(table), jnp.ones(b, jnp.int32)), want
 
 
-@pytest.mark.parametrize(
-    "impl, config",
-    [("pallas", None), ("pallas", {"bit_conversion": True}), ("reference", None)],
-    ids=["pallas", "pallas-bits", "reference"],
-)
-def test_single_keys_give_dequantized_rows_exactly(rng, impl, config):
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_single_keys_give_dequantized_rows_exactly(rng, impl):
     """Every finite e4m3 value and scales far apart, read back through a one-key softmax:
     the decode dequantizes exactly (the Triton kernel through its scaled probabilities)."""
     args, want = single_token_case(rng, n=16, lkv=128, r=16)
     if impl == "pallas":
-        n, b = args[0].shape[1], args[0].shape[0]
-        launch = dataclasses.replace(decode.DecodeConfig.for_shape(n, b), **(config or {}))
-        out, lse = decode.mla_decode(*args, scale=0.1, config=launch)
+        out, lse = decode.mla_decode(*args, scale=0.1)
     else:
         out, lse = decode.reference.mla_decode(*args, scale=0.1)
     got = np.asarray(out.astype(jnp.float32), np.float64)
@@ -191,15 +173,13 @@ def test_single_keys_give_dequantized_rows_exactly(rng, impl, config):
     [
         *bf16_tests.VARIANTS,
         pytest.param("pallas", {"fp8_compute": "float16"}, id="pallas-float16"),
-        pytest.param("pallas", {"bit_conversion": True}, id="pallas-bits"),
     ],
 )
 @pytest.mark.parametrize("block_size", [1, 16, 32, 64, 128])
 def test_fp8_lengths_and_block_sizes(rng, block_size, impl, variant):
     """test_decode_kernel's lengths (0, 1, block boundaries, ragged) and page sizes over an
     FP8 cache of two scale groups, the second one short (Lkv 192 = 128 + 64), in every
-    launch variant and with the tiles converted to float16 instead of bf16, or to bf16
-    through moved bits."""
+    launch variant and with the tiles converted to float16 instead of bf16."""
     bs = block_size
     lens = [0, 1, bs, 2 * bs, bs + 3, 3 * bs - 1, int(rng.integers(1, 4 * bs))]
     args, dequantized = _fp8_case(rng, lens, block_size=bs)
@@ -266,13 +246,6 @@ def test_fp8_bad_inputs(rng):
             **q,
             kv_cache=cache,
             config=dataclasses.replace(config, fp8_compute="float8_e4m3fn"),
-            **kw,
-        )
-    with pytest.raises(ValueError, match="bit_conversion converts to bfloat16"):
-        decode.mla_decode(
-            **q,
-            kv_cache=cache,
-            config=dataclasses.replace(config, fp8_compute="float16", bit_conversion=True),
             **kw,
         )
     with pytest.raises(ValueError, match="prefetch needs split_tail False"):
@@ -415,13 +388,12 @@ def test_cache_dtype_names():
 
 
 @triton_lowering_without_gpu
-@pytest.mark.parametrize("bit_conversion", [False, True])
-def test_triton_decode_lowers_for_cuda(bit_conversion):
-    """The Triton decode over an FP8 cache, lowered for a GPU on any machine: the bit
-    conversion's bitcasts and integer operations are ops Pallas' Triton lowering takes
-    (interpret mode runs them as jnp); Triton's compile needs the GPU."""
+def test_triton_decode_lowers_for_cuda():
+    """The Triton decode over an FP8 cache, lowered for a GPU on any machine (interpret mode
+    runs its ops as jnp, so only a lowering meets Pallas' Triton rules there); Triton's
+    compile needs the GPU."""
     b, n, lkv, r, page = 2, 16, 512, 64, 64
-    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, b), bit_conversion=bit_conversion)
+    config = decode.DecodeConfig.for_shape(n, b)
     cache = fp8.Fp8Cache(
         jax.ShapeDtypeStruct((8, page, lkv), fp8.FP8),
         jax.ShapeDtypeStruct((8, page, r), jnp.bfloat16),

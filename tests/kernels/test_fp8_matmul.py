@@ -93,15 +93,6 @@ CASES = {
         (16, 32, 1),
         fm.Fp8MatmulConfig(32, 16, 32, 1, 4, 2, scale_product=True, swap_ab=True),
     ),
-    # The tiles' e4m3 values converted through moved bits (fp8.to_bfloat16) before their
-    # scales.
-    "bit-conversion": (
-        21,
-        100,
-        72,
-        (16, 32, 1),
-        fm.Fp8MatmulConfig(16, 32, 16, 2, 4, 2, bit_conversion=True),
-    ),
 }
 
 
@@ -155,20 +146,15 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
 
-@pytest.mark.parametrize(
-    "swap_ab, bit_conversion", [(False, False), (True, False), (False, True)], ids=str
-)
-def test_grouped_matmul_fp8_scale_product(swap_ab, bit_conversion, rng):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_grouped_matmul_fp8_scale_product(swap_ab, rng):
     """FP8 experts with the scales on each step's product (and the weight tile as the left
-    operand, or its values converted through moved bits), a K that is no multiple of the
-    step, a fused gate_up's two grids."""
+    operand), a K that is no multiple of the step, a fused gate_up's two grids."""
     sizes, depth, width = [5, 0, 19, 3], 72, 48
     blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
     weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
     lhs = jnp.asarray(rng.standard_normal((sum(sizes), depth)), jnp.float32)
-    config = gm.GroupedMatmulConfig(
-        16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab, bit_conversion=bit_conversion
-    )
+    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab)
     got = gm.grouped_matmul(
         lhs,
         weight,
@@ -235,26 +221,23 @@ def test_fp8_inputs_refused():
 
 
 @triton_lowering_without_gpu
-@pytest.mark.parametrize("bit_conversion", [False, True])
-def test_kernels_lower_for_cuda(bit_conversion):
-    """The dense and grouped kernels' Triton lowering for a GPU, run on any machine: the
-    bit conversion's bitcasts and integer operations are ops Pallas' Triton lowering takes
-    (interpret mode runs them as jnp); Triton's compile needs the GPU."""
+def test_kernels_lower_for_cuda():
+    """The dense and grouped kernels' Triton lowering for a GPU, run on any machine
+    (interpret mode runs their ops as jnp, so only a lowering meets Pallas' Triton rules
+    there); Triton's compile needs the GPU."""
     blocks = fp8_blocks.Fp8Blocks(128, 128)
     weight = jax.ShapeDtypeStruct((512, 256), fp8_blocks.FP8)
     scales = jax.ShapeDtypeStruct((4, 2), jnp.float32)
     dense = functools.partial(
         fm.fp8_matmul,
         blocks=blocks,
-        config=fm.Fp8MatmulConfig(16, 64, 128, 2, 4, 4, bit_conversion=bit_conversion),
+        config=fm.Fp8MatmulConfig(16, 64, 128, 2, 4, 4),
         interpret=False,
     )
     grouped = functools.partial(
         gm.grouped_matmul,
         blocks=blocks,
-        config=gm.GroupedMatmulConfig(
-            16, 64, 128, 4, 4, scale_product=True, bit_conversion=bit_conversion
-        ),
+        config=gm.GroupedMatmulConfig(16, 64, 128, 4, 4, scale_product=True),
         interpret=False,
     )
     x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
