@@ -2,7 +2,7 @@
 latent cache (the README's module section is the marked region of this file; a test checks
 both the copy and the tokens, against a dense float64 NumPy computation).
 
-    PYTHONPATH=. python examples/tiny_decoder.py
+    python examples/tiny_decoder.py
 """
 
 # --- README begin

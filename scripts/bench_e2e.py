@@ -1,7 +1,7 @@
 """One MLA layer step end to end (projections, rope, cache write, attention, o_proj), with
 DeepSeek-V3 dimensions in bf16, on the Pallas kernels and on the pure-jnp references.
 
-    PYTHONPATH=. python scripts/bench_e2e.py [--out DIR] [--smoke]
+    python scripts/bench_e2e.py [--out DIR] [--smoke]
 
 ``--smoke``: the same table with the tiny model's attention and tiny steps on the CPU,
 results under --out only.

@@ -4,7 +4,7 @@ at prefill (8192 tokens), and its dense projections (attention's q_a, q_b, kv_a,
 dense layer's MLP) at 1, 64 and 8192 tokens. Random weights with 128 x 128 block scales;
 bf16 activations.
 
-    PYTHONPATH=. python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
+    python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
 set: ``fp8_matmul.fastest`` for the projections, the grouped matmul with the tuned FP8

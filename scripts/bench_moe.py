@@ -2,7 +2,7 @@
 2 shared, hidden 2048, expert width 1408) and DeepSeek-V3's (256 experts, top 8 within 4 of 8
 groups, 1 shared, hidden 7168, expert width 2048), random weights.
 
-    PYTHONPATH=. python scripts/bench_moe.py [--out DIR] [--sweep] [--smoke]
+    python scripts/bench_moe.py [--out DIR] [--sweep] [--smoke]
 
 Decode (64 tokens): the layer's time against the memory roofline of the weights it must read
 (the experts the batch chose, the shared experts and the router) at the copy bandwidth

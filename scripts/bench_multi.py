@@ -11,7 +11,7 @@ Decode rows start from requests whose context is already in the cache, as bench_
 with data parallelism a batch's requests are dealt to the DP ranks in turn (batch 64 at DP 2:
 32 a rank, and each rank's decode ladder holds that size).
 
-    PYTHONPATH=. python3 scripts/bench_multi.py --modes tp1,tp2,dp2 --quick --out $OUT
+    python scripts/bench_multi.py --modes tp1,tp2,dp2 --quick --out $OUT
 
 ``--smoke``: the tiny model on 2 host devices (1 device, TP 2 and DP 2, reference kernels,
 a few short requests; ``SMOKE_FLAGS``), results under --out only.

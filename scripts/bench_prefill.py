@@ -2,7 +2,7 @@
 XLA and, where installed, tokamax's Mosaic GPU attention; the chunked-context path at two
 workspace sizes, and the LSE merge, on the GPU.
 
-    PYTHONPATH=. python scripts/bench_prefill.py [--out DIR] [--sweep all|mosaic] [--smoke]
+    python scripts/bench_prefill.py [--out DIR] [--sweep all|mosaic] [--smoke]
 
 bf16, q/k 192 = 128 + 64, v 128 (cuDNN needs v padded to 192). TFLOP/s counts the useful
 work: 2 x causal pairs x N x (192 + 128). Times are median device microseconds (warm,

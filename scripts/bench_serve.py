@@ -14,7 +14,7 @@ A second table gives compile seconds per program against depth (2, 27, 61 layers
 Decode rows start from requests whose context is already in the cache (zero rows, written
 by no prefill: the decode step reads them all the same) so that they time decode alone.
 
-    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite [--out DIR] [--smoke]
+    python scripts/bench_serve.py --model v2-lite [--out DIR] [--smoke]
 
 ``--kv-cache-dtypes auto,fp8`` instead compares cache layouts (``serve_kv_cache_<model>``):
 the decode rows (default 256 x 4096) on an engine per cache dtype, and how many concurrent
@@ -28,7 +28,7 @@ p50/p99, prefill tokens computed, hit rate, tokens/s. ``--model tiny --impl refe
 it small on a CPU (a check of the script; ``--no-publish --out DIR`` keeps it out of
 BENCHMARKS.md):
 
-    PYTHONPATH=. python scripts/bench_serve.py --model v2-lite --prefix
+    python scripts/bench_serve.py --model v2-lite --prefix
 
 ``--smoke``: the serving tables for the tiny model (the built-in tiny checkpoint's shape)
 with a few short requests on the CPU, on the reference kernels (bench_decode,

@@ -6,7 +6,7 @@ FP8 x FP8 Pallas kernel, the weight [K, N] or [N, K]). Prints a table and writes
 explore.json (and the compiled HLO texts) under --out (or $OUT); its GPU run of 2026-11-25
 is benchmarks/tuning/fp8_matmul_variants.json.
 
-    PYTHONPATH=. python scripts/explore_fp8.py [grouped] [dense] --out DIR [--smoke]
+    python scripts/explore_fp8.py [grouped] [dense] --out DIR [--smoke]
 """
 
 from __future__ import annotations
