@@ -393,21 +393,17 @@ def _kernel(
         total, result = pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32))
         return (scaled + total if interpret else total), result
 
-    def kv_page(slot):
-        """The bf16 page ``[64, Lkv]`` of ``slot``: its own slot, or the one page an FP8
-        cache is dequantized into."""
-        return kv_smem.at[0 if quantized else slot]
-
-    def scores(slot, c, during=lambda: None):
-        """``[64, CHUNK]`` raw scores of chunk ``c`` of the page in ``slot`` (waits for its
-        copy, or for an FP8 page, for its dequantization: ``dequantize``), with ``during()``
-        run while the wgmma is in flight."""
+    def scores(slot, latent, c, during=lambda: None):
+        """``[64, CHUNK]`` raw scores of chunk ``c`` of the page in ``slot`` (its bf16 latent
+        ``[64, Lkv]`` in ``latent``; waits for its copy, or for an FP8 page, for its
+        dequantization: ``dequantize``), with ``during()`` run while the wgmma is in
+        flight."""
 
         def scope(s_ref):
             if not quantized:
                 plgpu.barrier_wait(kv_ready.at[slot])
             rows = pl.ds(c * CHUNK, CHUNK)
-            plgpu.wgmma(s_ref, q_lat_smem, kv_page(slot).at[rows].T)
+            plgpu.wgmma(s_ref, q_lat_smem, latent.at[rows].T)
             plgpu.wgmma(s_ref, q_pe_smem, pe_smem.at[slot, rows].T)
             result = during()
             return s_ref[...], result
@@ -427,6 +423,18 @@ def _kernel(
 
             def slot_of(k):
                 return (pages_done + k) % NUM_SLOTS
+
+            def bf16_page(k):
+                """The bf16 latent ``[64, Lkv]`` of the item's page ``k``: its own slot, or
+                the one page an FP8 cache is dequantized into. That one is indexed by a
+                value the compiler cannot prove constant (0 below 2^30 pages): with a
+                constant index every wgmma descriptor and store address of the page is
+                loop-invariant, LLVM hoists them all out of the page loop (64 bits each)
+                and ptxas spilled 1 KB a thread (H200: 753 -> 541 us at 128 x 4096, 128
+                heads)."""
+                if quantized:
+                    return kv_smem.at[(pages_done + k) // 2**30]
+                return kv_smem.at[slot_of(k)]
 
             def load_page(k):
                 """Starts the copies of the item's page ``k`` into its slot (warpgroup 0
@@ -489,10 +497,10 @@ def _kernel(
                     for g in groups
                 )
 
-            def dequantize(slot, k, scales):
+            def dequantize(slot, k, scales, latent):
                 """Our half of the latent columns of FP8 page ``k`` (in staging ``slot``)
-                into the bf16 page, times their power-of-two scales (exact), rows past the
-                item's end zeroed; returns once both halves are there."""
+                into its bf16 page ``latent``, times their power-of-two scales (exact), rows
+                past the item's end zeroed; returns once both halves are there."""
                 plgpu.barrier_wait(kv_ready.at[slot])
 
                 def convert(past_end: bool):
@@ -513,7 +521,7 @@ def _kernel(
                         values = values * lax.broadcast_in_dim(factor, values.shape, [0])
                         if past_end:
                             values = jnp.where(valid, values, 0)
-                        kv_smem[0, :, columns] = values.astype(jnp.bfloat16)
+                        latent[:, columns] = values.astype(jnp.bfloat16)
 
                 past_end = last_page_cut(k)
                 pl.when(past_end)(functools.partial(convert, True))
@@ -551,8 +559,8 @@ def _kernel(
                 plgpu.barrier_arrive(p_ready.at[w])
                 return m_new, l, alpha
 
-            def values(slot, c):
-                return kv_page(slot).at[pl.ds(c * CHUNK, CHUNK), half]
+            def values(latent, c):
+                return latent.at[pl.ds(c * CHUNK, CHUNK), half]
 
             def other_probs(c):
                 """Waits for chunk ``c``'s probabilities (from the other warpgroup) and
@@ -562,39 +570,39 @@ def _kernel(
 
             def page(k, state):
                 acc, m, l, scales = state
-                slot = slot_of(k)
+                slot, latent = slot_of(k), bf16_page(k)
                 if quantized:
-                    dequantize(slot, k, scales)
+                    dequantize(slot, k, scales, latent)
                     scales = page_scales(jnp.minimum(k + 1, pages - 1))
                 if w == 0:
                     # Chunk 0 is ours: scores, softmax, publish, then our half of both
                     # chunks' products (chunk 1's probabilities come from warpgroup 1). The
                     # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it.
-                    s, _ = scores(slot, 0)
+                    s, _ = scores(slot, latent, 0)
                     if not quantized:  # (dequantize zeroes them)
                         pl.when(last_page_cut(k))(functools.partial(zero_past_end, slot, k))
                     m0, l, alpha0 = own_chunk(slot, k, s, m, l)
                     acc, m1 = accumulate(
-                        acc, alpha0, p_smem.at[slot, 0], values(slot, 0), lambda: other_probs(1)
+                        acc, alpha0, p_smem.at[slot, 0], values(latent, 0), lambda: other_probs(1)
                     )
                     alpha1 = _rescale(m0, m1)
-                    acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
+                    acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
                     plgpu.barrier_wait(kv_free.at[slot])
                     pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))
                     return acc, m1, l * alpha1, scales
 
                 # Chunk 1 is ours: its scores run while chunk 0's softmax finishes on
                 # warpgroup 0; our softmax runs while chunk 0's product is in flight.
-                s, m0 = scores(slot, 1, lambda: other_probs(0))
+                s, m0 = scores(slot, latent, 1, lambda: other_probs(0))
                 alpha0 = _rescale(m, m0)
                 acc, (m1, l, alpha1) = accumulate(
                     acc,
                     alpha0,
                     p_smem.at[slot, 0],
-                    values(slot, 0),
+                    values(latent, 0),
                     lambda: own_chunk(slot, k, s, m0, l * alpha0),
                 )
-                acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(slot, 1))
+                acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m1, l, scales
 
