@@ -214,8 +214,9 @@ def test_precompile_compiles_every_program(tiny, rng):
 
 
 def test_ragged_workload_compiles_at_most_8_programs(rng):
-    """64 requests arriving together, prompts of 100-4000 tokens, 1-256 new tokens: every
-    step falls in the engine's fixed set, which has 8 programs."""
+    """64 requests arriving together, prompts of 25-1000 tokens (up to 8 budgets of 128 and
+    3 context chunks), 1-256 new tokens: every step falls in the engine's fixed set, which
+    has 8 programs."""
     cfg = ModelConfig(
         model_type="deepseek_v3",
         vocab_size=64,
@@ -230,12 +231,18 @@ def test_ragged_workload_compiles_at_most_8_programs(rng):
             qk_rope_head_dim=8,
             v_head_dim=8,
         ),
-        max_position_embeddings=4352,
+        max_position_embeddings=1280,
     )
     model = DeepseekModel(cfg, rngs=nnx.Rngs(0))
-    prompts = [rng.integers(0, 64, n).tolist() for n in rng.integers(100, 4001, 64)]
+    prompts = [rng.integers(0, 64, n).tolist() for n in rng.integers(25, 1001, 64)]
     new_tokens = rng.integers(1, 257, 64)
-    engine = Engine(model, EngineConfig(num_blocks=64 * 272, impl="reference"), log=lambda _: None)
+    engine_cfg = EngineConfig(
+        num_blocks=64 * 80,
+        max_num_batched_tokens=128,
+        workspace_size=2048,
+        impl="reference",
+    )
+    engine = Engine(model, engine_cfg, log=lambda _: None)
     engine.generate([Request(p, int(n)) for p, n in zip(prompts, new_tokens, strict=True)])
     assert len(engine.stats.buckets) <= 8
     assert set(engine.stats.buckets) <= set(engine.step_shapes())
