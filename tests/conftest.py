@@ -26,16 +26,20 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Compiling dominates the suite on a CPU (every engine compiles its programs, the
 # interpreted kernels make large ones): unoptimized machine code without LLVM's expensive
 # passes compiles them in about half the time (benchlib's smoke runs take the first flag for
-# the same reason). Without fast math the code computes the same values. Set before the first
-# computation, when XLA reads the flags; the subprocesses tests start inherit them, and flags
-# already in XLA_FLAGS come after these and win.
-os.environ["XLA_FLAGS"] = " ".join(
-    [
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-        os.environ.get("XLA_FLAGS", ""),
-    ]
-).strip()
+# the same reason). Without fast math the code computes the same values. Not where jax has
+# a CUDA plugin: the flags would reach the GPU compiler too, and its tests run the kernels as
+# they ship. Set before the first computation, when XLA reads the flags; the subprocesses
+# tests start inherit them, and flags already in XLA_FLAGS come after these and win.
+if not any(
+    importlib.util.find_spec(plugin) for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin")
+):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [
+            "--xla_backend_optimization_level=0",
+            "--xla_llvm_disable_expensive_passes=true",
+            os.environ.get("XLA_FLAGS", ""),
+        ]
+    ).strip()
 
 # Pallas' Triton lowering for a GPU, run where there is none: jax 0.10 lowers there; from
 # 0.11 the lowering asks the device for its compute capability ("No supported GPU devices
