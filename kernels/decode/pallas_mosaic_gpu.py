@@ -430,8 +430,8 @@ def _kernel(
                 value the compiler cannot prove constant (0 below 2^30 pages): with a
                 constant index every wgmma descriptor and store address of the page is
                 loop-invariant, LLVM hoists them all out of the page loop (64 bits each)
-                and ptxas spilled 1 KB a thread (H200: 753 -> 541 us at 128 x 4096, 128
-                heads)."""
+                and ptxas spilled 1 KB a thread (H200: 759 -> 521 us at 128 x 4096, 128
+                heads, ``decode_mgpu_fp8.json``)."""
                 if quantized:
                     return kv_smem.at[(pages_done + k) // 2**30]
                 return kv_smem.at[slot_of(k)]
@@ -471,13 +471,18 @@ def _kernel(
                 """Whether page ``k`` has rows past the item's end."""
                 return (k == pages - 1) & (end % PAGE != 0)
 
-            def zero_past_end(slot, k):
-                """Zeroes the value rows of page ``k`` past the item's end (stale or NaN rows
-                of a page a request does not fill) before any product reads them."""
+            def before_end(k):
+                """``[64, SWIZZLE_COLUMNS]`` (WGMMA layout): whether each row of page ``k``
+                lies before the item's end."""
                 row = plgpu.broadcasted_iota(
                     jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
                 )
-                valid = row < end - (first_page + k) * PAGE
+                return row < end - (first_page + k) * PAGE
+
+            def zero_past_end(slot, k):
+                """Zeroes the value rows of page ``k`` past the item's end (stale or NaN rows
+                of a page a request does not fill) before any product reads them."""
+                valid = before_end(k)
                 for column in range(lkv // SWIZZLE_COLUMNS):
                     tile = kv_smem.at[slot, :, pl.ds(column * SWIZZLE_COLUMNS, SWIZZLE_COLUMNS)]
                     values = tile[...]
@@ -507,10 +512,7 @@ def _kernel(
                     # The zeroing's selects only where there are rows to zero: on every
                     # page they cost 7% of the kernel (128 x 4096 at 128 heads, H200).
                     if past_end:
-                        row = plgpu.broadcasted_iota(
-                            jnp.int32, (PAGE, SWIZZLE_COLUMNS), 0, layout=wgmma_layout
-                        )
-                        valid = row < end - (first_page + k) * PAGE
+                        valid = before_end(k)
                     for t in range(half_width // SWIZZLE_COLUMNS):
                         first = w * half_width + t * SWIZZLE_COLUMNS
                         columns = pl.ds(first, SWIZZLE_COLUMNS)
