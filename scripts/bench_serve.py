@@ -818,8 +818,10 @@ def main(argv: list[str] | None = None) -> None:
             ],
             _compile_depths(model_cfg, depths, sizes),
             [
-                "Layers are stacked and run by a lax.scan: XLA compiles one layer. No persistent "
-                "compilation cache."
+                "Layers are stacked and run by a lax.scan: in a prefill program XLA compiles one "
+                "layer; a decode program unrolls the scan (EngineConfig.unroll_decode_layers: "
+                "the GPU runtime then launches the step as a few CUDA graphs), so it compiles "
+                "every layer. No persistent compilation cache."
             ],
             out_dir=args.out,
         )

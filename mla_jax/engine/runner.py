@@ -144,7 +144,8 @@ class ModelRunner:
     own batch on its own ``num_blocks`` cache blocks (of the ``cache``'s ``dp * num_blocks``),
     block ids local to it. With ``expert_parallel`` (a ``"dp"`` axis) the routed experts
     split over all of the mesh's devices and the MoE layers send every DP rank's tokens to
-    them (``expert_parallel.py``)."""
+    them (``expert_parallel.py``). With ``unroll_decode_layers`` the programs of decode-only
+    steps and windows unroll the scans over the layers (``DeepseekModel.__call__``)."""
 
     def __init__(
         self,
@@ -158,6 +159,7 @@ class ModelRunner:
         seed: int,
         mesh: Mesh | None = None,
         expert_parallel: bool = False,
+        unroll_decode_layers: bool = True,
     ):
         graphdef, state = nnx.split(model)
         self.params, param_tree = jax.tree.flatten(state)
@@ -204,7 +206,14 @@ class ModelRunner:
                 return window_forward(
                     layout, model, cache, metadata, input_ids, temperatures, step, key, *window
                 )
-            logits, cache = model(input_ids, cache, metadata, impl=impl, expert_axis=expert_axis)
+            logits, cache = model(
+                input_ids,
+                cache,
+                metadata,
+                impl=impl,
+                expert_axis=expert_axis,
+                unroll_layers=unroll_decode_layers and metadata.prefill is None,
+            )
             tokens = _sample(logits, temperatures, jax.random.fold_in(key, step[0]))
             return jnp.zeros(max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens), cache
 
@@ -240,7 +249,14 @@ class ModelRunner:
                 # Every rank runs every step (a known trip count), so the MoE layers'
                 # collectives under expert parallelism see all ranks; a stopped row writes
                 # nothing.
-                logits, cache = model(ids, cache, metadata, impl=impl, expert_axis=expert_axis)
+                logits, cache = model(
+                    ids,
+                    cache,
+                    metadata,
+                    impl=impl,
+                    expert_axis=expert_axis,
+                    unroll_layers=unroll_decode_layers,
+                )
                 sampled = _sample(logits, temperatures, jax.random.fold_in(key, step[0] + s))
                 last = jnp.where(live, sampled, last)
                 tokens = tokens.at[s].set(sampled)

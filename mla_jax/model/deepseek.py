@@ -3,7 +3,8 @@
 Each run of consecutive layers of one kind (dense MLP or mixture-of-experts, see
 ``ModelConfig.layer_runs``) is one ``DecoderLayer`` whose parameters carry a leading layer
 axis, run by a ``lax.scan``: XLA compiles each kind of layer once, so a 61-layer model
-compiles about as fast as a 2-layer one. The latent cache is stacked the same way,
+compiles about as fast as a 2-layer one (``unroll_layers`` trades that for fewer launches
+where a step's launches, not its kernels, bound it). The latent cache is stacked the same way,
 ``[L, num_blocks, block_size, Lkv + R]``, and carried through the scans whole (each layer
 writes and reads its own slice in place; slicing it out would copy it). An FP8 cache
 (``kernels.fp8.Fp8Cache``) is three such arrays, carried the same way.
@@ -148,13 +149,18 @@ class DeepseekModel(nnx.Module):
         *,
         impl: str | kernels.KernelSet = "auto",
         expert_axis: str | None = None,
+        unroll_layers: bool = False,
     ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """``input_ids [T]`` int32 and the stacked cache ``[L, num_blocks, block_size,
         Lkv + R]`` (or an ``Fp8Cache`` of those leading axes) -> logits of
         ``metadata.logits_indices`` ``[R, vocab]`` float32 and the updated cache.
         ``expert_axis``: under a ``shard_map`` manual over that mesh axis, the routed
         experts are split over it (this rank holds its range of them) and the MoE layers
-        send every rank's tokens to them (``MoE.__call__``)."""
+        send every rank's tokens to them (``MoE.__call__``). ``unroll_layers``: unroll the
+        scans over the layers (the same computation, each layer compiled on its own: one
+        straight program that XLA's GPU runtime launches as few CUDA graphs, where a loop
+        launches each layer's; worth its compile time where the launches, not the kernels,
+        bound a step: small decode batches)."""
         if cache.ndim != 4 or cache.shape[0] != self.cfg.num_layers:
             raise ValueError(
                 f"cache {cache.shape} must be [num_layers={self.cfg.num_layers}, num_blocks, "
@@ -184,7 +190,10 @@ class DeepseekModel(nnx.Module):
                 return (x, cache), None
 
             (x, cache), _ = jax.lax.scan(
-                layer_step, (x, cache), (jnp.arange(count, dtype=jnp.int32), state)
+                layer_step,
+                (x, cache),
+                (jnp.arange(count, dtype=jnp.int32), state),
+                unroll=unroll_layers,
             )
         x = self.norm(x[metadata.logits_indices])
         if self.cfg.tie_word_embeddings:

@@ -300,19 +300,32 @@ def test_host_work_once_a_window(tiny, rng, monkeypatch):
             assert 0 < record.call_s < record.host_s and record.wait_s >= 0
 
 
-def test_window_loops_have_known_trip_counts(tiny, rng):
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
+def test_window_loops_have_known_trip_counts(tiny, rng, unroll):
     """Every loop of the programs (a window's steps, the layers' scan) runs a trip count
     XLA knows, and a window branches nowhere: XLA's GPU runtime runs a loop of unknown trip
     count, or a conditional, by copying the condition to the host and waiting for it, which
-    would hold the host in the window's launch until the device has run it."""
-    engine = _tiny_engine(tiny, 4)
-    engine.generate([Request(rng.integers(0, 512, 6).tolist(), 5, ignore_eos=True)])
+    would hold the host in the window's launch until the device has run it. With
+    ``unroll_decode_layers`` (the default) the programs of decode-only steps and windows have
+    no loop over the layers (a window's one loop is its steps); a step with a prompt keeps
+    the scan."""
+    engine = _tiny_engine(tiny, 4, unroll_decode_layers=unroll)
+    # The prompt's step, a window of 4, then one decode step alone.
+    engine.generate([Request(rng.integers(0, 512, 6).tolist(), 6, ignore_eos=True)])
     assert _windows(engine) == 1
-    for layout, program in engine.runner.programs.items():
+    programs = list(engine.runner.programs.values())
+    shapes = engine.stats.buckets
+    kinds = sorted((bool(shape.prefills), shape.steps) for shape in shapes)
+    assert len(programs) == len(shapes) and kinds == [(False, 1), (False, 4), (True, 1)]
+    # The loops that carry the cache: the layers' scan and a window's steps.
+    cache = "[" + ",".join(map(str, engine.runner.cache.shape)) + "]"
+    for shape, program in zip(shapes, programs, strict=True):
         lines = program.as_text().splitlines()
         loops = [line for line in lines if " while(" in line]
-        assert loops and all("known_trip_count" in line for line in loops), layout.steps
-        if layout.steps > 1:
+        assert all("known_trip_count" in line for line in loops), shape
+        scans = 0 if unroll and not shape.prefills else 1
+        assert sum(cache in line for line in loops) == scans + (shape.steps > 1), shape
+        if shape.steps > 1:
             assert not any(" conditional(" in line for line in lines)
 
 
