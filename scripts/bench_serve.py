@@ -106,6 +106,7 @@ STEP_COLUMNS = [
     "call ms",
     "wait ms",
     "host ms, 1 step",
+    "ITL p50 / p99 ms, 1 step",
     "roofline ms",
     "wall / roofline",
 ]
@@ -231,13 +232,14 @@ def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
     return total
 
 
-def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> None:
+def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> list[Request]:
     """``batch`` running requests, each with ``context`` tokens already in the cache and
     ``steps`` decode steps to go, placed straight into the schedulers (in turn, with data
     parallelism). Each request's token is random, so that an MoE layer routes the batch's
     tokens to different experts."""
     rng = np.random.default_rng(batch)
     vocab = engine.model_cfg.vocab_size
+    requests = []
     for i in range(batch):
         scheduler = engine.schedulers[i % len(engine.schedulers)]
         ids = [1] * context + [int(rng.integers(vocab))]
@@ -246,6 +248,8 @@ def _decode_requests(engine: Engine, batch: int, context: int, steps: int) -> No
             raise RuntimeError("the benchmark's cache is too small")
         req.num_computed = context
         scheduler.running.append(req)
+        requests.append(req)
+    return requests
 
 
 def profile(run) -> tuple[dict, int]:
@@ -279,22 +283,25 @@ def _cache_bytes_per_token(engine: Engine) -> float:
 
 
 class DecodeTimes(NamedTuple):
-    """A decode row's timed run: its wall seconds, and medians in milliseconds per decode
-    step (a window's over its steps) of the launch interval and of the host's time in it
-    (``engine.StepRecord``: working, of which calling the program, and waiting)."""
+    """A decode row's timed run: its wall seconds, medians in milliseconds per decode step
+    (a window's over its steps) of the launch interval and of the host's time in it
+    (``engine.StepRecord``: working, of which calling the program, and waiting), and the
+    p50 and p99 of the intervals between a request's tokens reaching the host (a window's
+    arrive together)."""
 
     wall_s: float
     step_ms: float
     host_ms: float
     call_ms: float
     wait_ms: float
+    itl_ms: tuple[float, float]
 
 
 def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
     """``sizes.decode_steps`` decode steps of ``batch`` requests at ``context``, timed."""
     stats = engine.stats
     before = len(stats.step_records)
-    _decode_requests(engine, batch, context, sizes.decode_steps)
+    requests = _decode_requests(engine, batch, context, sizes.decode_steps)
     t0 = time.perf_counter()
     engine.generate([])
     wall_s = time.perf_counter() - t0
@@ -307,12 +314,17 @@ def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
     def median_ms(field: str) -> float:
         return float(np.median([getattr(r, field) / r.steps for r in steady])) * 1e3
 
+    # Each request's token intervals after the first launches' tokens (the records' steady
+    # part; every request takes all of a window's steps here).
+    skipped = sum(r.steps for r in records[: len(records) - len(steady)])
+    intervals = np.concatenate([np.diff(r.token_times)[skipped:] for r in requests])
     return DecodeTimes(
         wall_s,
         median_ms("interval_s"),
         median_ms("host_s"),
         median_ms("call_s"),
         median_ms("wait_s"),
+        tuple(float(x) for x in np.percentile(intervals, [50, 99]) * 1e3),
     )
 
 
@@ -341,6 +353,7 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
             round(times.call_ms, 3),
             round(times.wait_ms, 3),
             round(single.host_ms, 3),
+            " / ".join(f"{x:.3g}" for x in single.itl_ms),
             round(roofline_ms, 3),
             round(times.step_ms / roofline_ms, 2),
         ],
@@ -351,6 +364,10 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
             "host": round(single.host_ms, 3),
             "call": round(single.call_ms, 3),
             "wait": round(single.wait_ms, 3),
+        },
+        "itl_ms_p50_p99": {
+            "window": [round(x, 3) for x in times.itl_ms],
+            "single_steps": [round(x, 3) for x in single.itl_ms],
         },
         "device_kernels_ms": kernels,
     }
@@ -458,7 +475,7 @@ def _kv_cache_comparison(
             f"GB, {sizes.engine['num_blocks']} blocks of {page}); a request of "
             f"{capacity_tokens} tokens takes {blocks_per_request} blocks. Bytes per token are "
             "those of the engine's cache arrays.",
-            "Step wall, device, host, call, wait and roofline as in the serving table "
+            "Step wall, device, host, call, wait, ITL and roofline as in the serving table "
             "(roofline: weights + the KV bytes of the layout).",
         ],
         extra={"model": dataclasses.asdict(model_cfg), "machine": machine()},
@@ -772,7 +789,10 @@ def main(argv: list[str] | None = None) -> None:
         "condition read to the host each step). Decode steps run in windows of "
         f"{args.decode_window} steps (one device program, tokens read once a window; times "
         "per step: a window's over its steps); host ms, 1 step: the same steps run one at a "
-        "time (their call and wait in the JSON's single_steps_ms).",
+        "time (their call and wait in the JSON's single_steps_ms). ITL: p50 / p99 of the "
+        "intervals between a request's tokens reaching the host, steps one at a time (the "
+        "engine's default; in windows a window's tokens arrive together: the JSON's "
+        "itl_ms_p50_p99).",
         f"Roofline: (weights a step reads, {weight_bytes / 1e9:.2f} GB at one token: all but "
         "the embedding table"
         + (
