@@ -143,7 +143,8 @@ class KernelPlan:
 
     def decode_config(self, batch: int) -> decode.DecodeConfig:
         """The launch parameters the Triton ``mla_decode`` picks for a batch of ``batch``
-        decodes."""
+        decodes over a bf16 cache (over an FP8 one they differ only in pipeline stages, not
+        in what the schedule is built from)."""
         return decode.DecodeConfig.for_shape(self.num_heads, batch)
 
     @property

@@ -144,7 +144,9 @@ def _case(rng, label, seq_lens, n, sizes, variant=None, with_reference=True, qua
     arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     if quantized:
         arg_sets = [(*a[:2], _quantized(a[2], lkv), *a[3:]) for a in arg_sets]
-    config = dataclasses.replace(decode.DecodeConfig.for_shape(n, len(seq_lens)), **(variant or {}))
+    config = dataclasses.replace(
+        decode.DecodeConfig.for_shape(n, len(seq_lens), quantized), **(variant or {})
+    )
     programs = decode.num_programs(config, n, KernelPlan.for_device(n).num_sms)
     schedule = jax.device_put(
         decode.schedule_splits(seq_lens, num_programs=programs, block_k=config.block_k)
@@ -259,7 +261,14 @@ def _mosaic_case(
             "rel_err"
         ]
         if with_triton:
-            result["triton_fp8_timing"] = time_us(triton, [(*a, t_schedule) for a in fp8_sets])
+            # The FP8 cache's own launch parameters; its schedule is the bf16 one's.
+            t_fp8_config = decode.DecodeConfig.for_shape(n, b, quantized=True)
+            triton_fp8 = jax.jit(
+                lambda *a: decode.mla_decode(
+                    *a[:5], schedule=a[5], scale=SCALE, config=t_fp8_config
+                )
+            )
+            result["triton_fp8_timing"] = time_us(triton_fp8, [(*a, t_schedule) for a in fp8_sets])
             result["triton_fp8_us"] = result["triton_fp8_timing"].us
     return result
 
