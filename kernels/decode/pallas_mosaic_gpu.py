@@ -89,7 +89,7 @@ def padded_heads(num_heads: int) -> int:
 def pays_off(num_heads: int) -> bool:
     """Whether the kernel beats the Triton one at ``num_heads`` heads: from 64 (one wgmma
     tile of rows) up. Fewer heads are padded to 64 rows, which at 16 heads is 4x the work
-    of a bandwidth-bound decode: 1.13-1.80x the Triton kernel's time on an H200
+    of a bandwidth-bound decode: 1.20-1.81x the Triton kernel's time on an H200
     (BENCHMARKS.md, ``decode_mgpu``)."""
     return num_heads >= BLOCK_H
 
