@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import decode, fp8_matmul, grouped_matmul, merge, mosaic_gpu, prefill, tiling
+from . import decode, fp8, fp8_matmul, grouped_matmul, merge, mosaic_gpu, prefill, tiling
 from .decode import pallas_mosaic_gpu
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,27 @@ TRITON = KernelSet(
 
 
 def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, schedule=None):
-    """The Mosaic GPU decode where it beats the Triton one (64 heads and more:
-    ``pallas_mosaic_gpu.pays_off``), the Triton decode below (logged once); ``KernelPlan``
-    plans the schedule for the same kernel."""
-    if pallas_mosaic_gpu.pays_off(q_lat.shape[1]):
+    """The Mosaic GPU decode where it beats the Triton one (64 heads and more, or an FP8
+    cache and enough requests: ``pallas_mosaic_gpu.pays_off``), the Triton decode elsewhere
+    (logged once); ``KernelPlan`` plans the schedule for the same kernel (any schedule is
+    correct for either kernel; a plan for the other one only balances the work worse)."""
+    batch, heads = q_lat.shape[:2]
+    quantized = isinstance(kv_cache, fp8.Fp8Cache)
+    if pallas_mosaic_gpu.pays_off(heads, batch, quantized):
         kernel = pallas_mosaic_gpu.mla_decode
+        if heads < pallas_mosaic_gpu.BLOCK_H:
+            mosaic_gpu.log_once(
+                log,
+                f"mla_decode: the Mosaic GPU kernel for {heads} heads over the FP8 cache from "
+                f"{pallas_mosaic_gpu.FP8_MIN_BATCH} requests (heads padded to "
+                f"{pallas_mosaic_gpu.BLOCK_H} rows), the Triton kernel for fewer",
+            )
     else:
         mosaic_gpu.log_once(
             log,
-            f"mla_decode: the Triton kernel for {q_lat.shape[1]} heads (the Mosaic GPU kernel "
-            f"pads heads to {pallas_mosaic_gpu.BLOCK_H} rows and is slower below that)",
+            f"mla_decode: the Triton kernel for {heads} heads (the Mosaic GPU kernel pads heads "
+            f"to {pallas_mosaic_gpu.BLOCK_H} rows and is slower below that, except over the FP8 "
+            f"cache from {pallas_mosaic_gpu.FP8_MIN_BATCH} requests)",
         )
         kernel = decode.mla_decode
     return kernel(q_lat, q_pe, kv_cache, block_table, seq_lens, scale=scale, schedule=schedule)
@@ -136,6 +147,7 @@ class KernelPlan:
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.PrefillConfig().block_q
     backend: str = "triton"
+    quantized_cache: bool = False  # an FP8 cache (``fp8.Fp8Cache``): the decode kernel may differ
 
     def __post_init__(self):
         if self.backend not in ("triton", "mosaic_gpu"):
@@ -143,18 +155,19 @@ class KernelPlan:
 
     def decode_config(self, batch: int) -> decode.DecodeConfig:
         """The launch parameters the Triton ``mla_decode`` picks for a batch of ``batch``
-        decodes over a bf16 cache (over an FP8 one they differ only in pipeline stages, not
-        in what the schedule is built from)."""
-        return decode.DecodeConfig.for_shape(self.num_heads, batch)
+        decodes over the plan's cache."""
+        return decode.DecodeConfig.for_shape(self.num_heads, batch, self.quantized_cache)
 
-    @property
-    def mosaic_decode(self) -> bool:
-        """Whether ``mla_decode`` runs the Mosaic GPU kernel (else the Triton one)."""
-        return self.backend == "mosaic_gpu" and pallas_mosaic_gpu.pays_off(self.num_heads)
+    def mosaic_decode(self, batch: int) -> bool:
+        """Whether ``mla_decode`` runs the Mosaic GPU kernel for a batch of ``batch`` decodes
+        (else the Triton one)."""
+        return self.backend == "mosaic_gpu" and pallas_mosaic_gpu.pays_off(
+            self.num_heads, batch, self.quantized_cache
+        )
 
     def decode_programs(self, batch: int) -> int:
         """Decode programs per block of heads for a batch of ``batch`` decodes."""
-        if self.mosaic_decode:
+        if self.mosaic_decode(batch):
             return pallas_mosaic_gpu.num_programs(self.num_heads, self.num_sms)
         return decode.num_programs(self.decode_config(batch), self.num_heads, self.num_sms)
 
@@ -164,7 +177,8 @@ class KernelPlan:
         alone, so that a padded batch size compiles once."""
         batch = seq_lens.shape[0]
         programs = self.decode_programs(batch)
-        step = pallas_mosaic_gpu.PAGE if self.mosaic_decode else self.decode_config(batch).block_k
+        mosaic = self.mosaic_decode(batch)
+        step = pallas_mosaic_gpu.PAGE if mosaic else self.decode_config(batch).block_k
         return decode.schedule_splits(
             seq_lens,
             num_programs=programs,
@@ -184,19 +198,28 @@ class KernelPlan:
 
     @classmethod
     def for_device(
-        cls, num_heads: int, device: jax.Device | None = None, backend: str = "triton"
+        cls,
+        num_heads: int,
+        device: jax.Device | None = None,
+        backend: str = "triton",
+        quantized_cache: bool = False,
     ) -> KernelPlan:
         """The plan for ``device`` (default: the first one): its multiprocessor count, or an
         H100's / H200's where it reports none (a CPU running the kernels interpreted)."""
         device = device or jax.devices()[0]
         num_sms = getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS
-        return cls(num_heads, num_sms, backend=backend)
+        return cls(num_heads, num_sms, backend=backend, quantized_cache=quantized_cache)
 
     @classmethod
-    def for_impl(cls, impl: str | KernelSet, num_heads: int) -> KernelPlan | None:
+    def for_impl(
+        cls, impl: str | KernelSet, num_heads: int, quantized_cache: bool = False
+    ) -> KernelPlan | None:
         """The plan for this device and the kernels ``impl`` selects (they need the
-        schedules); None for the references, which take none."""
+        schedules) over a bf16 cache, or an FP8 one with ``quantized_cache``; None for the
+        references, which take none."""
         kernel_set = select(impl)
         if kernel_set.backend == "reference":
             return None
-        return cls.for_device(num_heads, backend=kernel_set.backend)
+        return cls.for_device(
+            num_heads, backend=kernel_set.backend, quantized_cache=quantized_cache
+        )

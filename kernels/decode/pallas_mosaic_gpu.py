@@ -86,12 +86,20 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // BLOCK_H) * BLOCK_H
 
 
-def pays_off(num_heads: int) -> bool:
-    """Whether the kernel beats the Triton one at ``num_heads`` heads: from 64 (one wgmma
-    tile of rows) up. Fewer heads are padded to 64 rows, which at 16 heads is 4x the work
-    of a bandwidth-bound decode: 1.20-1.81x the Triton kernel's time on an H200
-    (BENCHMARKS.md, ``decode_mgpu``)."""
-    return num_heads >= BLOCK_H
+# Below 64 heads over an FP8 cache, the batch from which the padded kernel beats the Triton
+# FP8 kernel (H200, 2026-11-27, 16 heads: 1.07x at 32 x 4096, 1.19x at 128 x 4096, 1.30x at
+# 64 x 16384; 0.82x at 1 x 16384; ``decode_mgpu_fp8.json`` and ``--sweep few``).
+FP8_MIN_BATCH = 32
+
+
+def pays_off(num_heads: int, batch: int = 1, quantized: bool = False) -> bool:
+    """Whether the kernel beats the Triton one for ``batch`` requests at ``num_heads`` heads
+    (over an FP8 cache if ``quantized``): from 64 heads (one wgmma tile of rows) up. Fewer
+    heads are padded to 64 rows, which at 16 heads is 4x the work of a bandwidth-bound
+    decode: over bf16 1.20-1.81x the Triton kernel's time on an H200 (BENCHMARKS.md,
+    ``decode_mgpu``); over FP8 the Triton kernel's dequantization costs more than the
+    padding from ``FP8_MIN_BATCH`` requests up."""
+    return num_heads >= BLOCK_H or (quantized and batch >= FP8_MIN_BATCH)
 
 
 def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -> int:

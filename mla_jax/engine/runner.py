@@ -188,7 +188,9 @@ class ModelRunner:
         self.num_blocks = cache.shape[1] // ranks  # a rank's (all of them without DP)
         self.workspace_size = workspace_size
         self.max_rows = max_rows  # sampled-token rows of the largest step, per DP rank
-        self.kernel_plan = kernels.KernelPlan.for_impl(kernel_set, num_heads)
+        self.kernel_plan = kernels.KernelPlan.for_impl(
+            kernel_set, num_heads, quantized_cache=isinstance(cache, Fp8Cache)
+        )
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}
         # The MoE layers' tokens cross the DP ranks (each holds a range of the experts).

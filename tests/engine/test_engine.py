@@ -482,3 +482,15 @@ def test_fp8_cache_logits_barely_depend_on_memory_and_batching(tiny, rng):
             for step, want_step in zip(request, want_request, strict=True)
         ]
         assert max(errors) < FP8_BATCHING_TOL, max(errors)
+
+
+@pytest.mark.parametrize("cache_dtype, quantized", [("auto", False), ("fp8", True)])
+def test_kernel_plan_knows_the_cache(tiny, cache_dtype, quantized):
+    """The runner plans the decode schedule for the kernel its cache gets: below 64 heads the
+    Hopper set's decode kernel depends on whether the cache is FP8."""
+    engine = Engine(
+        tiny,
+        EngineConfig(num_blocks=8, kv_cache_dtype=cache_dtype, impl="pallas"),
+        log=lambda _: None,
+    )
+    assert engine.runner.kernel_plan.quantized_cache is quantized

@@ -43,40 +43,69 @@ def test_mosaic_gpu_forced():
             kernels.select("mosaic_gpu")
 
 
+def _assert_schedules_equal(got, want):
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _mosaic_schedule(lens: np.ndarray, heads: int) -> pallas_triton.DecodeSchedule:
+    programs = pallas_mosaic_gpu.num_programs(heads, 132)
+    return pallas_triton.schedule_splits(
+        lens,
+        num_programs=programs,
+        block_k=pallas_mosaic_gpu.PAGE,
+        num_items=pallas_triton.max_items(len(lens), programs),
+    )
+
+
 def test_plan_follows_the_decode_kernel():
     """The Mosaic GPU plan: one program a multiprocessor per 64 heads, in pages; below 64
-    heads the Hopper set runs the Triton decode, and its plan is Triton's."""
+    heads the Hopper set runs the Triton decode, and its plan is Triton's, except over an
+    FP8 cache from ``FP8_MIN_BATCH`` requests, where both are the Mosaic GPU kernel's."""
     lens = np.array([4096, 100, 0, 64 * 33], np.int64)
     mosaic = kernels.KernelPlan(128, num_sms=132, backend="mosaic_gpu")
-    assert mosaic.mosaic_decode
+    assert mosaic.mosaic_decode(4)
     assert mosaic.decode_programs(4) == pallas_mosaic_gpu.num_programs(128, 132) == 66
-    want = pallas_triton.schedule_splits(
-        lens,
-        num_programs=66,
-        block_k=pallas_mosaic_gpu.PAGE,
-        num_items=pallas_triton.max_items(4, 66),
-    )
-    for a, b in zip(mosaic.decode_schedule(lens), want, strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_schedules_equal(mosaic.decode_schedule(lens), _mosaic_schedule(lens, 128))
     for heads in (16, 32):
-        small = kernels.KernelPlan(heads, num_sms=132, backend="mosaic_gpu")
-        triton = kernels.KernelPlan(heads, num_sms=132)
-        assert not small.mosaic_decode
-        assert small.decode_programs(4) == triton.decode_programs(4)
-        got, want = small.decode_schedule(lens), triton.decode_schedule(lens)
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_array_equal(a, b)
+        for quantized in (False, True):
+            small = kernels.KernelPlan(
+                heads, num_sms=132, backend="mosaic_gpu", quantized_cache=quantized
+            )
+            triton = kernels.KernelPlan(heads, num_sms=132, quantized_cache=quantized)
+            assert not small.mosaic_decode(4)
+            assert small.decode_programs(4) == triton.decode_programs(4)
+            _assert_schedules_equal(small.decode_schedule(lens), triton.decode_schedule(lens))
+    many = np.resize(lens, pallas_mosaic_gpu.FP8_MIN_BATCH)
+    fp8_plan = kernels.KernelPlan(16, num_sms=132, backend="mosaic_gpu", quantized_cache=True)
+    assert fp8_plan.mosaic_decode(len(many))
+    assert fp8_plan.decode_programs(len(many)) == pallas_mosaic_gpu.num_programs(16, 132) == 132
+    _assert_schedules_equal(fp8_plan.decode_schedule(many), _mosaic_schedule(many, 16))
+    bf16_plan = kernels.KernelPlan(16, num_sms=132, backend="mosaic_gpu")
+    assert not bf16_plan.mosaic_decode(len(many))
     with pytest.raises(ValueError, match="KernelPlan backend 'reference'"):
         kernels.KernelPlan(16, backend="reference")
 
 
-@pytest.mark.parametrize("heads, mosaic", [(16, False), (64, True), (128, True)])
-def test_hopper_decode_dispatch(monkeypatch, heads, mosaic):
-    """The Hopper set's decode calls the Mosaic GPU kernel from 64 heads, Triton's below."""
+@pytest.mark.parametrize(
+    "heads, batch, quantized, mosaic",
+    [
+        (16, 2, False, False),
+        (16, 64, False, False),
+        (16, pallas_mosaic_gpu.FP8_MIN_BATCH - 1, True, False),
+        (16, pallas_mosaic_gpu.FP8_MIN_BATCH, True, True),
+        (64, 2, False, True),
+        (128, 2, True, True),
+    ],
+)
+def test_hopper_decode_dispatch(monkeypatch, heads, batch, quantized, mosaic):
+    """The Hopper set's decode calls the Mosaic GPU kernel from 64 heads, and below that over
+    an FP8 cache from ``FP8_MIN_BATCH`` requests; Triton's elsewhere."""
     calls = []
     monkeypatch.setattr(pallas_mosaic_gpu, "mla_decode", lambda *a, **k: calls.append("mosaic"))
     monkeypatch.setattr(kernels.decode, "mla_decode", lambda *a, **k: calls.append("triton"))
-    q_lat = np.zeros((2, heads, 128), np.float32)
-    kernels.MOSAIC_GPU.mla_decode(q_lat, None, None, None, None, scale=1.0)
+    q_lat = np.zeros((batch, heads, 128), np.float32)
+    cache = kernels.fp8.Fp8Cache(None, None, None) if quantized else np.zeros((1, 64, 192))
+    kernels.MOSAIC_GPU.mla_decode(q_lat, None, cache, None, None, scale=1.0)
     assert calls == ["mosaic" if mosaic else "triton"]
     assert pallas_triton.mla_decode is not None
