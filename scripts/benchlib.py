@@ -32,7 +32,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks")
 PAGE = os.path.join(ROOT, "BENCHMARKS.md")
-SMOKE_REPS = 2  # timed calls of each function in a smoke run (after one warm-up call)
+SMOKE_REPS = 1  # calls of each function in a smoke run (no warm-up: a check, not a timing)
 SMOKE_DEVICES = 2  # host devices of a smoke run: room for tensor and data parallel modes
 SMOKE_TRIALS = 3  # trials of each sweep in a smoke run
 
@@ -219,9 +219,9 @@ def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Ti
     buffers, so that data left in L2 by one call does not serve the next). On a GPU it is the
     summed duration of the call's kernels as CUPTI timestamps them (the profiler's device
     events); elsewhere, wall clock around ``block_until_ready``. A smoke run makes at most
-    ``SMOKE_REPS`` calls on the first argument set, after one warm-up call."""
+    ``SMOKE_REPS`` calls on the first argument set, with no warm-up call."""
     if _smoke:
-        arg_sets, reps, warmup = arg_sets[:1], min(reps, SMOKE_REPS), min(warmup, 1)
+        arg_sets, reps, warmup = arg_sets[:1], min(reps, SMOKE_REPS), 0
     for _ in range(warmup):
         for args in arg_sets:
             jax.block_until_ready(fn(*args))
@@ -312,8 +312,8 @@ def parser(doc: str, *, sweeps: tuple[str, ...] = ()) -> argparse.ArgumentParser
         "--smoke",
         action="store_true",
         help="check the script end to end on the CPU in seconds: tiny shapes, Pallas kernels "
-        f"interpreted, {SMOKE_REPS} timed calls, each sweep on {SMOKE_TRIALS} trials; results "
-        "only under --out (needs it)",
+        f"interpreted, {SMOKE_REPS} call of each function (no warm-up), each sweep on "
+        f"{SMOKE_TRIALS} trials; results only under --out (needs it)",
     )
     if sweeps:
         ap.add_argument(
