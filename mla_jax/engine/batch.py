@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mla_jax.cache.metadata import Buckets, is_decode
+from mla_jax.engine.input_batch import InputBatch
 from mla_jax.engine.scheduler import Scheduled
 
 
@@ -62,42 +63,45 @@ class StepBatch:
         return int(self.query_lens[~self.is_decode].sum())
 
 
-def build_batch(scheduled: Sequence[Scheduled], previous_rows: Mapping[int, int]) -> StepBatch:
+def build_batch(
+    scheduled: Sequence[Scheduled],
+    previous_rows: Mapping[int, int],
+    input_batch: InputBatch | None = None,
+) -> StepBatch:
     """The arrays of one rank's ``scheduled`` chunks (decodes first, as the scheduler orders
     them). ``previous_rows``: for each request (by ``id``) with a pending token, its row in
-    the previous step's sampled tokens."""
-    num = len(scheduled)
-    width = max((len(entry.request.block_ids) for entry in scheduled), default=0)
-    block_table = np.zeros((num, width), np.int32)
-    context_lens = np.empty(num, np.int32)
-    query_lens = np.empty(num, np.int32)
-    temperatures = np.empty(num, np.float32)
-    steps = np.empty(num, np.int32)
-    stops_at_eos = np.empty(num, bool)
-    input_ids: list[int] = []
-    source = np.full(sum(entry.count for entry in scheduled), -1, np.int32)
-    for i, (request, start, count, _, request_steps) in enumerate(scheduled):
-        block_table[i, : len(request.block_ids)] = request.block_ids
-        context_lens[i], query_lens[i], steps[i] = start, count, request_steps
-        temperatures[i] = request.temperature
-        stops_at_eos[i] = not request.ignore_eos
-        chunk, pending = request.token_ids(start, start + count)
-        if pending is not None:
+    the previous step's sampled tokens. ``input_batch``: the rank's block-table rows kept
+    from earlier steps (by default built afresh)."""
+    requests, starts, counts, _, steps = zip(*scheduled, strict=True) if scheduled else [()] * 5
+    query_lens = np.array(counts, np.int32)
+    context_lens = np.array(starts, np.int32)
+    known = np.array([len(r.prompt_ids) + len(r.output_ids) for r in requests], np.int32)
+    # A decode's token is pending where the host has not read it (its position is past the
+    # known tokens): the device takes it from the previous step's sampled row.
+    pending_decode = is_decode(query_lens) & (context_lens >= known)
+    offsets = np.cumsum(query_lens) - query_lens  # of each request's first token
+    input_ids = np.zeros(int(query_lens.sum()), np.int32)
+    source = np.full(input_ids.shape[0], -1, np.int32)
+    pending = np.flatnonzero(pending_decode)
+    source[offsets[pending]] = [previous_rows[id(requests[i])] for i in pending.tolist()]
+    for i in np.flatnonzero(~pending_decode).tolist():
+        chunk, first_pending = requests[i].token_ids(starts[i], starts[i] + counts[i])
+        input_ids[offsets[i] : offsets[i] + counts[i]] = chunk
+        if first_pending is not None:
             # Only the previous step's last token of a request is in its sampled row (the
             # engine reads a window's tokens before a step could take more of them).
-            if len(chunk) - pending != 1:
-                raise RuntimeError(f"a chunk takes {len(chunk) - pending} pending tokens")
-            source[len(input_ids) + pending] = previous_rows[id(request)]
-        input_ids += chunk
+            if counts[i] - first_pending != 1:
+                raise RuntimeError(f"a chunk takes {counts[i] - first_pending} pending tokens")
+            source[offsets[i] + first_pending] = previous_rows[id(requests[i])]
     return StepBatch(
         context_lens,
         query_lens,
-        block_table,
-        np.asarray(input_ids, np.int32),
+        (InputBatch() if input_batch is None else input_batch).block_tables(requests),
+        input_ids,
         source,
-        temperatures,
-        steps,
-        stops_at_eos,
+        np.array([r.temperature for r in requests], np.float32),
+        np.array(steps, np.int32),
+        np.array([not r.ignore_eos for r in requests], bool),
     )
 
 
