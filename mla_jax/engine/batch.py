@@ -1,7 +1,8 @@
 """A step's requests as the arrays the model runner takes: the engine's side of the boundary.
 
 The scheduler hands out ``Scheduled`` chunks of requests; ``build_batch`` turns one DP rank's
-chunks into a ``StepBatch`` of NumPy arrays (no request objects cross to the runner). With
+chunks into a ``StepBatch`` of NumPy arrays (no request objects cross to the runner), its
+block table gathered from the rows the rank's ``InputBatch`` keeps across steps. With
 data parallelism every rank's step must have one shape, so ``pad_ranks`` gives a rank that
 lacks a part another rank has (decodes, prompt chunks) a padding request of that part, run
 in the rank's scratch blocks: cache blocks at the end of each rank's share that the
