@@ -75,27 +75,30 @@ def build_batch(
     from earlier steps (by default built afresh)."""
     requests, starts, counts, _, steps = zip(*scheduled, strict=True) if scheduled else [()] * 5
     query_lens = np.array(counts, np.int32)
-    context_lens = np.array(starts, np.int32)
-    known = np.array([len(r.prompt_ids) + len(r.output_ids) for r in requests], np.int32)
-    # A decode's token is pending where the host has not read it (its position is past the
-    # known tokens): the device takes it from the previous step's sampled row.
-    pending_decode = is_decode(query_lens) & (context_lens >= known)
-    offsets = np.cumsum(query_lens) - query_lens  # of each request's first token
     input_ids = np.zeros(int(query_lens.sum()), np.int32)
     source = np.full(input_ids.shape[0], -1, np.int32)
-    pending = np.flatnonzero(pending_decode)
-    source[offsets[pending]] = [previous_rows[id(requests[i])] for i in pending.tolist()]
-    for i in np.flatnonzero(~pending_decode).tolist():
-        chunk, first_pending = requests[i].token_ids(starts[i], starts[i] + counts[i])
-        input_ids[offsets[i] : offsets[i] + counts[i]] = chunk
-        if first_pending is not None:
-            # Only the previous step's last token of a request is in its sampled row (the
-            # engine reads a window's tokens before a step could take more of them).
-            if counts[i] - first_pending != 1:
-                raise RuntimeError(f"a chunk takes {counts[i] - first_pending} pending tokens")
-            source[offsets[i] + first_pending] = previous_rows[id(requests[i])]
+    pending_offsets, pending_rows = [], []  # of the pending tokens, set at once
+    offset = 0
+    for request, start, count in zip(requests, starts, counts, strict=True):
+        if is_decode(count) and start >= len(request.prompt_ids) + len(request.output_ids):
+            # A decode whose token the host has not read: the device takes it from the
+            # previous step's sampled row (the common case, without a token_ids call).
+            pending_offsets.append(offset)
+            pending_rows.append(previous_rows[id(request)])
+        else:
+            chunk, first_pending = request.token_ids(start, start + count)
+            input_ids[offset : offset + count] = chunk
+            if first_pending is not None:
+                # Only the previous step's last token of a request is in its sampled row
+                # (the engine reads a window's tokens before a step could take more).
+                if count - first_pending != 1:
+                    raise RuntimeError(f"a chunk takes {count - first_pending} pending tokens")
+                pending_offsets.append(offset + first_pending)
+                pending_rows.append(previous_rows[id(request)])
+        offset += count
+    source[pending_offsets] = pending_rows
     return StepBatch(
-        context_lens,
+        np.array(starts, np.int32),
         query_lens,
         (InputBatch() if input_batch is None else input_batch).block_tables(requests),
         input_ids,
