@@ -474,7 +474,7 @@ def validate_step(
         ("query_lens", query_lens),
         ("block_table", block_table),
     ):
-        if not np.issubdtype(a.dtype, np.integer):
+        if a.dtype.kind not in "iu":  # np.issubdtype(dtype, np.integer), at a fraction of its cost
             raise MetadataError(f"{name} must hold integers, got dtype {a.dtype}")
     if block_size <= 0:
         raise MetadataError(f"block_size must be positive, got {block_size}")

@@ -1,7 +1,8 @@
 """A step's requests as the arrays the model runner takes: the engine's side of the boundary.
 
 The scheduler hands out ``Scheduled`` chunks of requests; ``build_batch`` turns one DP rank's
-chunks into a ``StepBatch`` of NumPy arrays (no request objects cross to the runner). With
+chunks into a ``StepBatch`` of NumPy arrays (no request objects cross to the runner), its
+block table gathered from the rows the rank's ``InputBatch`` keeps across steps. With
 data parallelism every rank's step must have one shape, so ``pad_ranks`` gives a rank that
 lacks a part another rank has (decodes, prompt chunks) a padding request of that part, run
 in the rank's scratch blocks: cache blocks at the end of each rank's share that the
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mla_jax.cache.metadata import Buckets, is_decode
+from mla_jax.engine.input_batch import InputBatch
 from mla_jax.engine.scheduler import Scheduled
 
 
@@ -62,42 +64,48 @@ class StepBatch:
         return int(self.query_lens[~self.is_decode].sum())
 
 
-def build_batch(scheduled: Sequence[Scheduled], previous_rows: Mapping[int, int]) -> StepBatch:
+def build_batch(
+    scheduled: Sequence[Scheduled],
+    previous_rows: Mapping[int, int],
+    input_batch: InputBatch | None = None,
+) -> StepBatch:
     """The arrays of one rank's ``scheduled`` chunks (decodes first, as the scheduler orders
     them). ``previous_rows``: for each request (by ``id``) with a pending token, its row in
-    the previous step's sampled tokens."""
-    num = len(scheduled)
-    width = max((len(entry.request.block_ids) for entry in scheduled), default=0)
-    block_table = np.zeros((num, width), np.int32)
-    context_lens = np.empty(num, np.int32)
-    query_lens = np.empty(num, np.int32)
-    temperatures = np.empty(num, np.float32)
-    steps = np.empty(num, np.int32)
-    stops_at_eos = np.empty(num, bool)
-    input_ids: list[int] = []
-    source = np.full(sum(entry.count for entry in scheduled), -1, np.int32)
-    for i, (request, start, count, _, request_steps) in enumerate(scheduled):
-        block_table[i, : len(request.block_ids)] = request.block_ids
-        context_lens[i], query_lens[i], steps[i] = start, count, request_steps
-        temperatures[i] = request.temperature
-        stops_at_eos[i] = not request.ignore_eos
-        chunk, pending = request.token_ids(start, start + count)
-        if pending is not None:
-            # Only the previous step's last token of a request is in its sampled row (the
-            # engine reads a window's tokens before a step could take more of them).
-            if len(chunk) - pending != 1:
-                raise RuntimeError(f"a chunk takes {len(chunk) - pending} pending tokens")
-            source[len(input_ids) + pending] = previous_rows[id(request)]
-        input_ids += chunk
+    the previous step's sampled tokens. ``input_batch``: the rank's block-table rows kept
+    from earlier steps (by default built afresh)."""
+    requests, starts, counts, _, steps = zip(*scheduled, strict=True) if scheduled else [()] * 5
+    query_lens = np.array(counts, np.int32)
+    input_ids = np.zeros(int(query_lens.sum()), np.int32)
+    source = np.full(input_ids.shape[0], -1, np.int32)
+    pending_offsets, pending_rows = [], []  # of the pending tokens, set at once
+    offset = 0
+    for request, start, count in zip(requests, starts, counts, strict=True):
+        if is_decode(count) and start >= len(request.prompt_ids) + len(request.output_ids):
+            # A decode whose token the host has not read: the device takes it from the
+            # previous step's sampled row (the common case, without a token_ids call).
+            pending_offsets.append(offset)
+            pending_rows.append(previous_rows[id(request)])
+        else:
+            chunk, first_pending = request.token_ids(start, start + count)
+            input_ids[offset : offset + count] = chunk
+            if first_pending is not None:
+                # Only the previous step's last token of a request is in its sampled row
+                # (the engine reads a window's tokens before a step could take more).
+                if count - first_pending != 1:
+                    raise RuntimeError(f"a chunk takes {count - first_pending} pending tokens")
+                pending_offsets.append(offset + first_pending)
+                pending_rows.append(previous_rows[id(request)])
+        offset += count
+    source[pending_offsets] = pending_rows
     return StepBatch(
-        context_lens,
+        np.array(starts, np.int32),
         query_lens,
-        block_table,
-        np.asarray(input_ids, np.int32),
+        (InputBatch() if input_batch is None else input_batch).block_tables(requests),
+        input_ids,
         source,
-        temperatures,
-        steps,
-        stops_at_eos,
+        np.array([r.temperature for r in requests], np.float32),
+        np.array(steps, np.int32),
+        np.array([not r.ignore_eos for r in requests], bool),
     )
 
 

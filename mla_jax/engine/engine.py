@@ -35,9 +35,10 @@ from mla_jax.cache.block_manager import BlockManager
 from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
 from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
+from mla_jax.engine.input_batch import InputBatch
 from mla_jax.engine.request import Request, RequestError
 from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput, window_tokens
-from mla_jax.engine.scheduler import Scheduled, Scheduler
+from mla_jax.engine.scheduler import Scheduled, Scheduler, WindowPlan
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.parallel import sharding
@@ -262,9 +263,9 @@ class InFlight:
         """For each request (by ``id``) whose token this step samples, its row among its
         rank's sampled tokens: where the next step's pending token comes from."""
         return {
-            id(entry.request): int(row)
+            id(entry.request): row
             for batch, rows in zip(self.scheduled, self.output.rows, strict=True)
-            for entry, row in zip(batch, rows, strict=True)
+            for entry, row in zip(batch, rows.tolist(), strict=True)
             if entry.samples
         }
 
@@ -352,6 +353,8 @@ class Engine:
             )
             for _ in range(cfg.data_parallel)
         ]
+        # Each rank's block-table rows, kept across steps (only what changed is rewritten).
+        self.input_batches = [InputBatch() for _ in range(cfg.data_parallel)]
         # Decode steps of a window (cfg.window_steps()); a benchmark may change it between
         # generate calls (a window's programs compile as it first runs them).
         self.decode_window = cfg.window_steps()
@@ -430,7 +433,13 @@ class Engine:
         scheduling began; ``steps`` > 1: a window of decodes)."""
         buckets = buckets or self.buckets
         previous_rows = previous.previous_rows() if previous is not None else {}
-        batches = [build_batch(rank_scheduled, previous_rows) for rank_scheduled in scheduled]
+        batches = [
+            build_batch(rank_scheduled, previous_rows, input_batch)
+            for rank_scheduled, input_batch in zip(scheduled, self.input_batches, strict=True)
+        ]
+        decodes = sum(batch.num_decodes for batch in batches)
+        tokens = sum(int(batch.query_lens.sum()) for batch in batches)
+        longest = max((int(batch.steps.max(initial=1)) for batch in batches), default=1)
         real = None
         if len(batches) > 1:
             batches, real, buckets = pad_ranks(
@@ -450,8 +459,6 @@ class Engine:
             how = "loaded from the compilation cache" if from_cache else "compiled"
             self.log(f"{how} bucket {shape} in {seconds:.2f}s")
         self.stats.compiled += output.compiled
-        entries = [entry for rank_scheduled in scheduled for entry in rank_scheduled]
-        decodes = sum(entry.is_decode for entry in entries)
         # The host's time since the previous launch (the first: since its scheduling began,
         # with no step in flight to wait for).
         interval = waited = 0.0
@@ -463,11 +470,11 @@ class Engine:
         self.stats.step_records.append(
             StepRecord(
                 decodes,
-                sum(entry.count for entry in entries) - decodes,
+                tokens - decodes,
                 output.shape,
                 now - since - compile_s - waited,
                 interval,
-                max((entry.steps for entry in entries), default=1),
+                longest,
                 output.call_s,
                 waited,
             )
@@ -484,24 +491,29 @@ class Engine:
         now = time.perf_counter()
         self.waited_s += now - start
         tokens, counts = window_tokens(tokens, len(in_flight.scheduled), output.shape.steps)
+        generated = 0
         for rank, (batch, rows) in enumerate(zip(in_flight.scheduled, output.rows, strict=True)):
-            for entry, row in zip(batch, rows, strict=True):
+            # Each request's tokens and count as Python lists at once: indexing the arrays
+            # request by request costs more.
+            row_tokens = tokens[rank].T[rows].tolist()
+            row_counts = counts[rank][rows].tolist()
+            for entry, sampled, count in zip(batch, row_tokens, row_counts, strict=True):
                 req = entry.request
                 if not entry.samples:
                     continue
                 req.num_pending -= entry.steps
                 if req.finished:  # ended by an EOS found after this step was launched
                     continue
-                count = int(counts[rank, row])
                 if count < entry.steps:  # stopped at an EOS: the later steps wrote nothing
                     req.num_computed = entry.start + count
-                req.output_ids += tokens[rank, :count, row].tolist()
+                req.output_ids += sampled[:count]
                 req.token_times += [now] * count
-                self.stats.generated_tokens += count
-                if self.stats.first_token_s is None:
-                    self.stats.first_token_s = now - t_start
+                generated += count
                 if self._done(req):
                     self.schedulers[rank].finish(req)
+        self.stats.generated_tokens += generated
+        if generated and self.stats.first_token_s is None:
+            self.stats.first_token_s = now - t_start
 
     def step_shapes(self) -> list[StepShape]:
         """Every program this engine can run (its buckets fix every axis): each step shape,
@@ -581,8 +593,12 @@ class Engine:
         in_flight: InFlight | None = None
         while any(s.has_work for s in schedulers) or in_flight is not None:
             started = time.perf_counter()
-            steps, in_flight = self._next_steps(in_flight, t_start)
-            batches = [self._schedule(s, steps) if s.has_work else [] for s in schedulers]
+            windows, in_flight = self._next_steps(in_flight, t_start)
+            steps = self.decode_window if windows[0] is not None else 1
+            batches = [
+                self._schedule(s, window) if s.has_work else []
+                for s, window in zip(schedulers, windows, strict=True)
+            ]
             launched = None
             if any(batches):
                 self.stats.steps += 1
@@ -613,26 +629,24 @@ class Engine:
 
     def _next_steps(
         self, in_flight: InFlight | None, t_start: float
-    ) -> tuple[int, InFlight | None]:
-        """The next step's decode steps (a window where every rank can run one and some
-        request takes all its steps) and what stays in flight: a single step after a window
-        reads the window's tokens first, as it may start, preempt or recompute a request with
-        several of them pending."""
+    ) -> tuple[list[WindowPlan | None], InFlight | None]:
+        """Each rank's window for the next step (where every rank can run one and some
+        request takes all its steps; else None each: a single step) and what stays in
+        flight: a single step after a window reads the window's tokens first, as it may
+        start, preempt or recompute a request with several of them pending."""
         steps, schedulers = self.decode_window, self.schedulers
-        if (
-            steps > 1
-            and all(s.can_run_window(steps) for s in schedulers)
-            and any(s.fills_window(steps) for s in schedulers)
-        ):
-            return steps, in_flight
+        windows = [s.plan_window(steps) for s in schedulers] if steps > 1 else [None]
+        if None not in windows and any(window.fills for window in windows):
+            return windows, in_flight
         if in_flight is not None and in_flight.output.shape.steps > 1:
             self._collect(in_flight, t_start)
             in_flight = None
-        return 1, in_flight
+        return [None] * len(schedulers), in_flight
 
     @staticmethod
-    def _schedule(scheduler: Scheduler, steps: int) -> list[Scheduled]:
-        return scheduler.schedule_window(steps) if steps > 1 else scheduler.schedule()
+    def _schedule(scheduler: Scheduler, window: WindowPlan | None) -> list[Scheduled]:
+        """A window's chunks where ``window`` plans one, else a single step's."""
+        return scheduler.schedule() if window is None else scheduler.schedule_window(window)
 
     def _withdraw(self, requests: list[Request]) -> None:
         """Takes ``requests`` out of every rank's queues with their blocks and resets their

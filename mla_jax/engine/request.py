@@ -111,9 +111,16 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
+    def tokens_to_go(self) -> int:
+        """Tokens it may still generate past its known and pending ones (none once finished)."""
+        if self.finished:
+            return 0
+        return self.max_new_tokens - len(self.output_ids) - self.num_pending
+
+    @property
     def wants_tokens(self) -> bool:
         """Not finished, and its known and pending tokens leave room for another."""
-        return not self.finished and len(self.output_ids) + self.num_pending < self.max_new_tokens
+        return self.tokens_to_go > 0
 
     def token_ids(self, start: int, stop: int) -> tuple[list[int], int | None]:
         """Token ids ``[start, stop)`` of prompt + output, and the offset among them of the

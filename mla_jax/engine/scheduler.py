@@ -17,11 +17,11 @@ A step is scheduled before the previous one's sampled tokens reach the host (the
 overlaps them): a request's sampled but unread token is *pending* (``request.py``).
 
 When every running request decodes and no waiting request could start, the engine may run a
-*window* of several decode steps in one device program (``schedule_window``): each request
-gets the blocks of all its window's tokens up front, so the device never needs a new one,
-and its window ends where its ``max_new_tokens`` (hence the model length) would; a window
-never preempts (``can_run_window`` asks for the free blocks first), and runs only where some
-request takes all its steps (``fills_window``).
+*window* of several decode steps in one device program (``plan_window``, ``schedule_window``):
+each request gets the blocks of all its window's tokens up front, so the device never needs
+a new one, and its window ends where its ``max_new_tokens`` (hence the model length) would;
+a window never preempts (its plan asks for the free blocks first), and runs only where some
+request takes all its steps (``WindowPlan.fills``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ class Scheduled(NamedTuple):
         """One token: a decode (``metadata.is_decode``; a 1-token prompt chunk runs as one
         too)."""
         return is_decode(self.count)
+
+
+class WindowPlan(NamedTuple):
+    """A window ``Scheduler.plan_window`` found possible: each running request that wants
+    tokens with the decode steps it runs, and whether some request runs all of them (a
+    window's program runs every step, ``runner.py``: where none would, its last steps would
+    compute for no request)."""
+
+    entries: list[tuple[Request, int]]
+    fills: bool
 
 
 class Scheduler:
@@ -238,51 +248,45 @@ class Scheduler:
             ]
         )
 
-    def _window_steps(self, req: Request, steps: int) -> int:
-        """The decode steps of a window of ``steps`` that ``req`` runs: as many as it still
-        wants tokens (a request admitted within the model length stays within it)."""
-        return min(steps, req.max_new_tokens - len(req.output_ids) - req.num_pending)
-
-    def can_run_window(self, steps: int) -> bool:
-        """Whether the next step can be a window of ``steps`` decode steps: every running
-        request that wants tokens decodes, within the token budget; no waiting request could
-        start now (none waits, or the running ones fill ``max_num_seqs``: a prompt that waits
-        for room is not delayed by a window beyond the request it waits for); and the free
-        blocks hold every request's tokens of the window."""
+    def plan_window(self, steps: int) -> WindowPlan | None:
+        """A window of up to ``steps`` decode steps, or None where one cannot run now: it
+        needs every running request that wants tokens to decode, within the token budget; no
+        waiting request that could start now (none waits, or the running ones fill
+        ``max_num_seqs``: a prompt that waits for room is not delayed by a window beyond the
+        request it waits for); and free blocks for every request's tokens of the window. Each
+        request runs as many steps as it still wants tokens (a request admitted within the
+        model length stays within it). One pass over the running requests: this runs every
+        window."""
         if self.waiting and len(self.running) < self.max_num_seqs:
-            return False
-        decodes = need = 0
+            return None
+        entries, need, block_size, fills = [], 0, self.block_size, False
         for req in self.running:
-            if not req.wants_tokens:
+            to_go = req.tokens_to_go
+            if to_go <= 0:
                 continue
             if not is_decode(req.num_tokens - req.num_computed):
-                return False
-            decodes += 1
-            tokens = req.num_computed + self._window_steps(req, steps)
-            need += max(-(-tokens // self.block_size) - len(req.block_ids), 0)
-        return decodes <= self.max_num_batched_tokens and need <= self.block_manager.num_free
+                return None
+            req_steps = min(steps, to_go)
+            fills |= req_steps == steps
+            tokens = req.num_computed + req_steps
+            need += max(-(-tokens // block_size) - len(req.block_ids), 0)
+            entries.append((req, req_steps))
+        if len(entries) > self.max_num_batched_tokens or need > self.block_manager.num_free:
+            return None
+        return WindowPlan(entries, fills)
 
-    def fills_window(self, steps: int) -> bool:
-        """Whether some running request would run all of a window's ``steps`` decode steps:
-        a window's program runs every step (``runner.py``), so where none would, its last
-        steps would compute for no request."""
-        return any(
-            req.wants_tokens and self._window_steps(req, steps) == steps for req in self.running
-        )
-
-    def schedule_window(self, steps: int) -> list[Scheduled]:
-        """A window of up to ``steps`` decode steps (``can_run_window(steps)`` must hold):
-        every running request that wants tokens, for as many steps as it wants, its blocks
-        grown for all of them. Advances ``num_computed`` and ``num_pending`` by those steps;
-        a request the device stops early (EOS) has them corrected when the host reads its
-        tokens (``Engine``)."""
+    def schedule_window(self, plan: WindowPlan) -> list[Scheduled]:
+        """The window ``plan_window`` planned (nothing changed since): each of its requests
+        with its blocks grown for all its steps. Advances ``num_computed`` and
+        ``num_pending`` by those steps; a request the device stops early (EOS) has them
+        corrected when the host reads its tokens (``Engine``)."""
         scheduled = []
-        for req in self.running:
-            if req.wants_tokens:
-                req_steps = self._window_steps(req, steps)
-                if not self.grow(req, req.num_computed + req_steps):
-                    raise RuntimeError("a window ran out of blocks: can_run_window did not hold")
-                scheduled.append(Scheduled(req, req.num_computed, 1, True, req_steps))
+        for req, req_steps in plan.entries:
+            tokens = req.num_computed + req_steps
+            # (Most windows need no new block: grow only where one does.)
+            if tokens > len(req.block_ids) * self.block_size and not self.grow(req, tokens):
+                raise RuntimeError("a window ran out of blocks: its plan did not hold")
+            scheduled.append(Scheduled(req, req.num_computed, 1, True, req_steps))
         return self._advance(scheduled)
 
     def _advance(self, scheduled: list[Scheduled]) -> list[Scheduled]:
