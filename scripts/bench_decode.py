@@ -1,6 +1,6 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu]]
+    python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu|combine]]
         [--kernel triton|mgpu] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
@@ -15,7 +15,9 @@ beside the Triton one on the same inputs in the same run, N = 16 and 128 over th
 below (``decode_mgpu.json``), and both again over the FP8 layout of the same caches
 (``decode_mgpu_fp8.json``: Mosaic bf16, Mosaic FP8 and Triton FP8 from one run);
 ``--sweep mgpu`` its compile options on the cases of its
-targets (``decode_mgpu_sweep.json``, under --out only).
+targets (``decode_mgpu_sweep.json``, under --out only); ``--sweep combine`` the merge
+kernel's launch on batches padded as the engine pads them, on the decode kernel the Hopper
+set runs (``decode_combine_sweep.json``).
 ``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only
 (the Mosaic GPU kernel hands the smoke shapes, page 16, to the Triton kernel).
 """
@@ -41,7 +43,7 @@ from benchlib import (
     time_us,
 )
 
-from mla_jax.kernels import KernelPlan, decode, fp8
+from mla_jax.kernels import KernelPlan, decode, fp8, mosaic_gpu
 from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 
 SCALE = 192**-0.5
@@ -62,6 +64,10 @@ class Sizes:
     fp8_sweep_cases: tuple  # (heads, labels) the FP8 sweep times
     mosaic_heads: tuple[int, ...]  # heads of the Mosaic GPU table (over ``cases``)
     mosaic_sweep_cases: tuple  # (heads, labels) the Mosaic GPU sweep times
+    # The merge kernel's sweep: heads, and batches as the engine pads them (label, context
+    # of each row, 0 for a padding row)
+    combine_heads: tuple[int, ...]
+    combine_cases: tuple[tuple[str, tuple[int, ...]], ...]
 
     @property
     def fp8_token_bytes(self) -> int:
@@ -90,6 +96,14 @@ FULL = Sizes(
     # The Mosaic GPU kernel's targets (issue 19): N = 128 at 128 x 4096 and 64 x 16384,
     # N = 16 at 64 x 16384.
     mosaic_sweep_cases=((128, ("128 x 4096", "64 x 16384")), (16, ("64 x 16384",))),
+    combine_heads=(16, 128),
+    combine_cases=(
+        ("1 of 16 x 512", (512,) + (0,) * 15),
+        ("1 of 16 x 4096", (4096,) + (0,) * 15),
+        ("1 of 16 x 16384", (16384,) + (0,) * 15),
+        ("16 x 4096", (4096,) * 16),
+        ("64 x 4096", (4096,) * 64),
+    ),
 )
 SMOKE = Sizes(
     lkv=64,
@@ -102,6 +116,8 @@ SMOKE = Sizes(
     fp8_sweep_cases=((16, ("3 x 40",)),),
     mosaic_heads=(16,),
     mosaic_sweep_cases=((16, ("3 x 40",)),),
+    combine_heads=(16,),
+    combine_cases=(("1 of 4 x 40", (40, 0, 0, 0)),),
 )
 
 
@@ -201,12 +217,13 @@ def _errors(got, want, seq_lens) -> dict:
 
 
 def _mosaic_case(
-    rng, label, seq_lens, n, sizes, variant=None, with_triton=True, with_fp8=False
+    rng, label, seq_lens, n, sizes, variant=None, with_triton=True, with_fp8=False, combine=None
 ) -> dict:
-    """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults) and, on
-    the same inputs, the Triton kernel with its default config; errors of both against the
-    reference. ``with_fp8``: both kernels again over the FP8 layout of the same caches
-    (``fp8_*`` and ``triton_fp8_*``, errors against the reference on that FP8 cache)."""
+    """Times the Mosaic GPU kernel (compile options ``variant`` on the defaults, the merge's
+    ``combine`` fields on ``DecodeConfig.for_shape``'s) and, on the same inputs, the Triton
+    kernel with its default config; errors of both against the reference. ``with_fp8``: both
+    kernels again over the FP8 layout of the same caches (``fp8_*`` and ``triton_fp8_*``,
+    errors against the reference on that FP8 cache)."""
     seq_lens = np.asarray(seq_lens)
     lkv, rope = sizes.lkv, sizes.rope
     tokens = int(seq_lens.sum())
@@ -218,8 +235,13 @@ def _mosaic_case(
         decode.schedule_splits(seq_lens, num_programs=programs, block_k=sizes.page)
     )
     config = mosaic.MosaicDecodeConfig(**(variant or {}))
+    combine_config = dataclasses.replace(
+        decode.DecodeConfig.for_shape(n, len(seq_lens)), **(combine or {})
+    )
     kernel = jax.jit(
-        lambda *a: mosaic.mla_decode(*a[:5], schedule=a[5], scale=SCALE, config=config)
+        lambda *a: mosaic.mla_decode(
+            *a[:5], schedule=a[5], scale=SCALE, config=config, combine_config=combine_config
+        )
     )
     want = jax.jit(functools.partial(decode.reference.mla_decode, scale=SCALE))(*arg_sets[0])
     timing = time_us(kernel, [(*a, schedule) for a in arg_sets])
@@ -401,6 +423,44 @@ def _mosaic_trials(rng, sizes: Sizes) -> list:
     ]
 
 
+# The merge kernel's launch on top of DecodeConfig.for_shape's choice (``--sweep combine``).
+COMBINE_SWEEP = [
+    {},
+    dict(combine_block_h=16, combine_block_d=128, combine_block_items=4),
+    dict(combine_block_h=1, combine_block_d=64, combine_block_items=64),
+    dict(combine_block_h=8, combine_block_d=64, combine_block_items=16),
+]
+
+
+def _combine_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of COMBINE_SWEEP on ``sizes.combine_cases``, each on the decode kernel
+    the Hopper set runs for its heads and batch (the Mosaic GPU one where it runs and pays
+    off, else the Triton one); ``combine_us``: the merge kernel's share of ``us``."""
+
+    def measure(label, lens, n, variant):
+        if mosaic.pays_off(n, len(lens)) and mosaic_gpu.device_unsupported() is None:
+            kernel, r = (
+                "mosaic_gpu",
+                _mosaic_case(rng, label, lens, n, sizes, with_triton=False, combine=variant),
+            )
+        else:
+            kernel, r = "triton", _case(rng, label, lens, n, sizes, variant, with_reference=False)
+        kernels = r["timing"].kernels or {}
+        combine_us = sum(us for name, us in kernels.items() if "combine" in name)
+        return {"kernel": kernel, "combine_us": combine_us, **r}
+
+    return [
+        (
+            {"case": label, "N": n},
+            v,
+            lambda label=label, lens=lens, n=n, v=v: measure(label, lens, n, v),
+        )
+        for n in sizes.combine_heads
+        for label, lens in sizes.combine_cases
+        for v in COMBINE_SWEEP
+    ]
+
+
 def _ragged(rng, sizes: Sizes):
     count, longest = sizes.ragged
     lens = rng.integers(1, longest + 1, count)
@@ -485,7 +545,7 @@ def _trials(rng, sizes: Sizes) -> list:
 
 
 def main():
-    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu"))
+    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu", "combine"))
     ap.add_argument(
         "--kernel",
         choices=("triton", "mgpu"),
@@ -504,6 +564,7 @@ def main():
             "all": lambda: sweep("decode", _trials(rng, sizes), args.out),
             "fp8": lambda: sweep("decode_fp8", _fp8_trials(rng, sizes), args.out),
             "mgpu": lambda: sweep("decode_mgpu", _mosaic_trials(rng, sizes), args.out),
+            "combine": lambda: sweep("decode_combine", _combine_trials(rng, sizes), args.out),
         },
     )
 

@@ -146,6 +146,7 @@ def mla_decode(
     scale: float,
     schedule: pallas_triton.DecodeSchedule | None = None,
     config: MosaicDecodeConfig | None = None,
+    combine_config: pallas_triton.DecodeConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (the contract of
@@ -165,6 +166,8 @@ def mla_decode(
         ``num_programs`` programs in whole pages), or one cut to shorter lengths by
         ``truncate_schedule``; None runs each request whole in a program of its own.
       config: compile options (default ``MosaicDecodeConfig()``).
+      combine_config: its ``combine_*`` fields launch the merge of split requests (the
+        Triton kernel's ``combine_splits``; default: ``DecodeConfig.for_shape(N, B)``'s).
       interpret: run in Mosaic GPU's interpret mode (default: off a GPU).
 
     Returns:
@@ -193,10 +196,11 @@ def mla_decode(
     if interpret is None:
         interpret = online_softmax.interpret_default()
     heads = padded_heads(n)
+    combine_config = combine_config or triton_config
     combine_config = dataclasses.replace(
-        triton_config,
-        combine_block_h=min(triton_config.combine_block_h, heads),
-        combine_block_d=min(triton_config.combine_block_d, lkv),
+        combine_config,
+        combine_block_h=min(combine_config.combine_block_h, heads),
+        combine_block_d=min(combine_config.combine_block_d, lkv),
     )
     return _mla_decode(
         q_lat,

@@ -46,6 +46,15 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // 16) * 16
 
 
+# Up to this many rows (the engine's smallest decode batch) the merge kernel splits its work
+# finely enough that one request holding every split keeps many programs busy: on an H200
+# (2026-11-27, ``bench_decode.py --sweep combine``, ``decode_combine_sweep.json``) one
+# 4096-token request among 15 padding rows merged at 128 heads in 7.0 instead of 23.5 us and
+# at 16 heads in 4.6 instead of 14.0; 16 requests of 4096 tokens at 128 heads in 6.7
+# instead of 4.9 us.
+ITEM_PARALLEL_MAX_BATCH = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of the decode kernels; ``for_shape`` picks them for a batch, and
@@ -82,9 +91,12 @@ class DecodeConfig:
         pipeline. Smaller head blocks are bandwidth-bound: large batches want two programs
         per multiprocessor, small ones fewer splits to merge. The merge kernel takes many
         items per step when few requests are each split many ways, and many heads per step
-        otherwise. ``quantized`` (an FP8 cache): large batches of small head blocks take
-        two pipeline stages instead of three (at 16 heads, 64 x 16384 on an H200, three
-        stages are 5% faster over a bf16 cache and 4% slower over an FP8 one)."""
+        for large batches; in between (up to ``ITEM_PARALLEL_MAX_BATCH`` rows) 8 heads x 64
+        latent columns x 16 items, since a batch of that size may be one request split over
+        every program beside padding rows. ``quantized`` (an FP8 cache): large batches of
+        small head blocks take two pipeline stages instead of three (at 16 heads, 64 x 16384
+        on an H200, three stages are 5% faster over a bf16 cache and 4% slower over an FP8
+        one)."""
         heads = padded_heads(num_heads)
         block_h = min(heads & -heads, 64)  # a power of two (Triton) that divides the heads
         # Compute-bound 64-head blocks gain from unmasked full steps with the partial step in
@@ -100,6 +112,10 @@ class DecodeConfig:
         if splits_per_request >= 32:
             config = dataclasses.replace(
                 config, combine_block_h=1, combine_block_d=64, combine_block_items=64
+            )
+        elif batch <= ITEM_PARALLEL_MAX_BATCH:
+            config = dataclasses.replace(
+                config, combine_block_h=8, combine_block_d=64, combine_block_items=16
             )
         return config
 

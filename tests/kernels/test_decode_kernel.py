@@ -163,6 +163,21 @@ def test_heads_and_split_counts(rng, n, block_h, num_programs):
     _check(_run(args, **kw), _expected(*args, 0.2), args[-1], jnp.float32)
 
 
+def test_one_request_split_among_padding_rows(rng):
+    """The engine's smallest decode batch (16 rows) holding one request split over many
+    programs beside empty rows, on that batch's default launch: the merge takes its items
+    in several steps."""
+    lens = [700] + [0] * 15
+    args = _case(rng, lens)
+    config = dataclasses.replace(decode.DecodeConfig.for_shape(16, len(lens)), block_k=16)
+    schedule = decode.schedule_splits(
+        args[-1], num_programs=48, block_k=16, num_items=decode.max_items(len(lens), 48)
+    )
+    assert int(schedule.req_items[1]) > 2 * config.combine_block_items
+    got = _run(args, scale=0.2, config=config, schedule=schedule)
+    _check(got, _expected(*args, 0.2), args[-1], jnp.float32)
+
+
 def test_default_head_blocks_divide_the_padded_heads():
     for n in (1, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 256):
         cfg = decode.DecodeConfig.for_shape(n, 8)

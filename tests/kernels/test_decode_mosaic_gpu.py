@@ -232,6 +232,23 @@ def test_deepseek_scale_compiled(rng, n):
     _check(args, 0.07, schedule=schedule)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16, 128])
+def test_one_request_among_padding_rows_compiled(rng, n):
+    """One 16384-token request and 15 empty rows (the engine's smallest decode batch), split
+    over every program of the kernel's count and merged on that batch's default launch."""
+    lens = [16384] + [0] * 15
+    args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
+    programs = mosaic.num_programs(n)
+    schedule = pallas_triton.schedule_splits(
+        args[-1],
+        num_programs=programs,
+        block_k=mosaic.PAGE,
+        num_items=pallas_triton.max_items(len(lens), programs),
+    )
+    _check(args, 0.07, schedule=schedule)
+
+
 # The FP8 cache (``fp8.Fp8Cache``, test_fp8_cache's cases: latent magnitudes that differ by
 # up to 2^±2 between tokens and scale groups, NaN in every part of the rows a request does
 # not own, table entries past its need -1 or far outside the cache) against float64
