@@ -1,6 +1,6 @@
 """Paged MLA decode: the Pallas kernel against the XLA gather reference, on the GPU.
 
-    python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu|combine]]
+    python scripts/bench_decode.py [--out DIR] [--sweep [all|fp8|mgpu|combine|short]]
         [--kernel triton|mgpu] [--smoke]
 
 Page 64, bf16, Lkv 512 + R 64. Per row: median device microseconds (warm, CUPTI kernel
@@ -17,7 +17,8 @@ below (``decode_mgpu.json``), and both again over the FP8 layout of the same cac
 ``--sweep mgpu`` its compile options on the cases of its
 targets (``decode_mgpu_sweep.json``, under --out only); ``--sweep combine`` the merge
 kernel's launch on batches padded as the engine pads them, on the decode kernel the Hopper
-set runs (``decode_combine_sweep.json``).
+set runs (``decode_combine_sweep.json``); ``--sweep short`` the Triton kernel's launch at 16
+heads on batches of 512-token requests (``decode_short_sweep.json``).
 ``--smoke``: the same tables (or sweeps) at tiny shapes on the CPU, results under --out only
 (the Mosaic GPU kernel hands the smoke shapes, page 16, to the Triton kernel).
 """
@@ -68,6 +69,8 @@ class Sizes:
     # of each row, 0 for a padding row)
     combine_heads: tuple[int, ...]
     combine_cases: tuple[tuple[str, tuple[int, ...]], ...]
+    # The short-context sweep at 16 heads (V2-Lite's serving rows at context 512)
+    short_cases: tuple[tuple[str, tuple[int, ...]], ...]
 
     @property
     def fp8_token_bytes(self) -> int:
@@ -104,6 +107,7 @@ FULL = Sizes(
         ("16 x 4096", (4096,) * 16),
         ("64 x 4096", (4096,) * 64),
     ),
+    short_cases=(("16 x 512", (512,) * 16), ("64 x 512", (512,) * 64), ("256 x 512", (512,) * 256)),
 )
 SMOKE = Sizes(
     lkv=64,
@@ -118,6 +122,7 @@ SMOKE = Sizes(
     mosaic_sweep_cases=((16, ("3 x 40",)),),
     combine_heads=(16,),
     combine_cases=(("1 of 4 x 40", (40, 0, 0, 0)),),
+    short_cases=(("3 x 40", (40,) * 3),),
 )
 
 
@@ -461,6 +466,36 @@ def _combine_trials(rng, sizes: Sizes) -> list:
     ]
 
 
+# The Triton kernel's launch at 16 heads on short contexts (``--sweep short``), each on top
+# of DecodeConfig.for_shape's choice: a request of 512 tokens is 8 pages, so a program runs
+# few steps and its pipeline's start and its partial result weigh more than over long ones.
+SHORT_SWEEP = [
+    {},
+    dict(programs_per_sm=1),
+    dict(programs_per_sm=2),
+    dict(programs_per_sm=3),
+    dict(num_stages=2),
+    dict(num_stages=4),
+    dict(block_k=32, num_stages=4),
+    dict(num_warps=8),
+]
+
+
+def _short_trials(rng, sizes: Sizes) -> list:
+    """``sweep`` trials of SHORT_SWEEP on ``sizes.short_cases`` at 16 heads."""
+    return [
+        (
+            {"case": label, "N": 16},
+            v,
+            lambda label=label, lens=lens, v=v: _case(
+                rng, label, lens, 16, sizes, v, with_reference=False
+            ),
+        )
+        for label, lens in sizes.short_cases
+        for v in SHORT_SWEEP
+    ]
+
+
 def _ragged(rng, sizes: Sizes):
     count, longest = sizes.ragged
     lens = rng.integers(1, longest + 1, count)
@@ -545,7 +580,7 @@ def _trials(rng, sizes: Sizes) -> list:
 
 
 def main():
-    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu", "combine"))
+    ap = parser(__doc__, sweeps=("all", "fp8", "mgpu", "combine", "short"))
     ap.add_argument(
         "--kernel",
         choices=("triton", "mgpu"),
@@ -565,6 +600,7 @@ def main():
             "fp8": lambda: sweep("decode_fp8", _fp8_trials(rng, sizes), args.out),
             "mgpu": lambda: sweep("decode_mgpu", _mosaic_trials(rng, sizes), args.out),
             "combine": lambda: sweep("decode_combine", _combine_trials(rng, sizes), args.out),
+            "short": lambda: sweep("decode_short", _short_trials(rng, sizes), args.out),
         },
     )
 
