@@ -214,13 +214,9 @@ def test_bad_inputs_are_refused_like_triton(rng):
         mosaic.mla_decode(*a[:3], a[3] + 1000, jnp.asarray(lens), scale=1.0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [8, 16, 64, 128])
-def test_deepseek_scale_compiled(rng, n):
-    """A ragged batch of 64 requests up to 4096 tokens at DeepSeek's dims, page 64, on the
-    kernel's own program count: too slow to interpret, so GPU only."""
-    lens = rng.integers(1, 4096, 64)
-    lens[:4] = [4096, 1, 64, 0]
+def _check_at_deepseek_scale(rng, lens, n):
+    """Requests of ``lens`` at DeepSeek's dims, page 64, split over the kernel's own
+    program count: too slow to interpret, so GPU only."""
     args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
     programs = mosaic.num_programs(n)
     schedule = pallas_triton.schedule_splits(
@@ -230,23 +226,23 @@ def test_deepseek_scale_compiled(rng, n):
         num_items=pallas_triton.max_items(len(lens), programs),
     )
     _check(args, 0.07, schedule=schedule)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8, 16, 64, 128])
+def test_deepseek_scale_compiled(rng, n):
+    """A ragged batch of 64 requests up to 4096 tokens."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:4] = [4096, 1, 64, 0]
+    _check_at_deepseek_scale(rng, lens, n)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [16, 128])
 def test_one_request_among_padding_rows_compiled(rng, n):
-    """One 16384-token request and 15 empty rows (the engine's smallest decode batch), split
-    over every program of the kernel's count and merged on that batch's default launch."""
-    lens = [16384] + [0] * 15
-    args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
-    programs = mosaic.num_programs(n)
-    schedule = pallas_triton.schedule_splits(
-        args[-1],
-        num_programs=programs,
-        block_k=mosaic.PAGE,
-        num_items=pallas_triton.max_items(len(lens), programs),
-    )
-    _check(args, 0.07, schedule=schedule)
+    """One 16384-token request and 15 empty rows (the engine's smallest decode batch): split
+    over every program and merged on that batch's default launch."""
+    _check_at_deepseek_scale(rng, [16384] + [0] * 15, n)
 
 
 # The FP8 cache (``fp8.Fp8Cache``, test_fp8_cache's cases: latent magnitudes that differ by
