@@ -72,7 +72,7 @@ SMOKE = Sizes(
     projections={"q_a_proj": (64, 48), "o_proj": (40, 64)},
     tokens=(4, 40),
     blocks=(16, 16),
-    projection_tokens=(1, 4, 300),
+    projection_tokens=(1, 300),
 )
 
 

@@ -34,7 +34,7 @@ RESULTS = os.path.join(ROOT, "benchmarks")
 PAGE = os.path.join(ROOT, "BENCHMARKS.md")
 SMOKE_REPS = 1  # calls of each function in a smoke run (no warm-up: a check, not a timing)
 SMOKE_DEVICES = 2  # host devices of a smoke run: room for tensor and data parallel modes
-SMOKE_TRIALS = 3  # trials of each sweep in a smoke run
+SMOKE_TRIALS = 2  # trials of each sweep in a smoke run: its first and its last
 
 _smoke = False  # set by parse_args for a --smoke run
 
