@@ -177,7 +177,11 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` (shapes too large to interpret) run only on a GPU."""
+    """The scripts' smoke runs first; tests marked ``gpu`` (shapes too large to interpret)
+    run only on a GPU."""
+    # The smoke runs are one file of many minutes: xdist's loadfile gives a file to one
+    # worker, and started last it would run alone while the other workers idle.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/scripts/test_smoke.py"))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU: shapes too large to interpret")
