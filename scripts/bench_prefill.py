@@ -59,6 +59,7 @@ class Sizes:
     workspaces: tuple[int, ...]  # the last one holds the whole context: unchunked
     merge: tuple[int, int, int]  # tokens, heads, dim
     sweep_tokens: int
+    mosaic_sweep_tokens: tuple[int, ...]  # one-sequence lengths of the Mosaic GPU sweep
 
     @property
     def scale(self) -> float:
@@ -80,6 +81,7 @@ FULL = Sizes(
     workspaces=(8192, 65536),
     merge=(8192, 128, 128),
     sweep_tokens=4096,
+    mosaic_sweep_tokens=(1024, 2048, 4096),
 )
 SMOKE = Sizes(
     qk_dim=64,  # the Mosaic GPU kernel's smallest widths
@@ -96,6 +98,7 @@ SMOKE = Sizes(
     workspaces=(32, 128),
     merge=(64, 4, 16),
     sweep_tokens=40,
+    mosaic_sweep_tokens=(40,),
 )
 BASELINE_NAMES = {"cudnn": "cuDNN", "xla": "XLA"}
 
@@ -348,20 +351,22 @@ SWEEP = [
 ]
 
 
-# The variants behind the MosaicPrefillConfig defaults (at 192 / 128 wide, 128-key blocks
-# need more than the 227 KB of shared memory: the kernel would not run them).
+# The variants behind the MosaicPrefillConfig defaults, at several lengths: the default
+# chooses 64- or 128-key blocks by the keys a tile visits (LONG_TILE_KEYS), its stages by
+# what fits (at 192 / 128 wide: four of 64 keys, two of 128).
 MOSAIC_SWEEP = [
-    dict(block_k=64, num_stages=3, schedule_barrier=True),
-    dict(block_k=64, num_stages=3, schedule_barrier=False),
-    dict(block_k=64, num_stages=2, schedule_barrier=True),
-    dict(block_k=64, num_stages=3, schedule_barrier=True, p_in_registers=False),
-    dict(block_k=64, num_stages=3, schedule_barrier=True, auto_barriers=True),
-    dict(block_k=64, num_stages=3, schedule_barrier=False, producer_warpgroup=False),
+    dict(),
+    dict(block_k=64),
+    dict(block_k=64, num_stages=3),
+    dict(block_k=128),
+    dict(block_k=128, schedule_barrier=False),
+    dict(block_k=64, schedule_barrier=False),
+    dict(block_k=64, p_in_registers=False),
 ]
 
 
-def _sweep_trial(n, variant, sizes: Sizes, kernel=_pallas):
-    t = sizes.sweep_tokens
+def _sweep_trial(n, variant, sizes: Sizes, kernel=_pallas, t=None):
+    t = t or sizes.sweep_tokens
     q, k, v = _qkv(jax.random.key(n), t, n, sizes)
     f = kernel(np.array([t]), n, sizes, variant)
     if f is None:
@@ -381,8 +386,13 @@ def main():
         for v in SWEEP
     ]
     mosaic_trials = [
-        ({"N": n}, v, lambda n=n, v=v: _sweep_trial(n, v, sizes, kernel=_mosaic))
+        (
+            {"N": n, "tokens": t},
+            v,
+            lambda n=n, v=v, t=t: _sweep_trial(n, v, sizes, kernel=_mosaic, t=t),
+        )
         for n in sizes.heads
+        for t in sizes.mosaic_sweep_tokens
         for v in MOSAIC_SWEEP
     ]
     run(

@@ -368,8 +368,11 @@ def sweep(name: str, trials: list, out_dir: str | None) -> None:
         last = len(trials) - 1
         picks = {round(i * last / (SMOKE_TRIALS - 1)) for i in range(SMOKE_TRIALS)}
         trials = [trials[i] for i in sorted(picks)]
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir or ".", f"{name}_sweep.json")
     rows = []
-    for info, variant, measure in trials:
+    for i, (info, variant, measure) in enumerate(trials):
         try:
             result = {**info, **jsonable(measure())}
         except Exception as e:  # noqa: BLE001 (a variant the compiler rejects)
@@ -379,19 +382,19 @@ def sweep(name: str, trials: list, out_dir: str | None) -> None:
         result["variant"] = variant
         rows.append(result)
         print(json.dumps(result), flush=True)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir or ".", f"{name}_sweep.json"), "w") as f:
-        json.dump(
-            {
-                "device": machine(),
-                "date": datetime.date.today().isoformat(),
-                "rows": rows,
-                **({"smoke": True} if _smoke else {}),
-            },
-            f,
-            indent=1,
-        )
+        # Written after every trial: a run cut short keeps what it measured.
+        with open(path, "w") as f:
+            json.dump(
+                {
+                    "device": machine(),
+                    "date": datetime.date.today().isoformat(),
+                    "rows": rows,
+                    **({"smoke": True} if _smoke else {}),
+                    **({} if i == len(trials) - 1 else {"incomplete": True}),
+                },
+                f,
+                indent=1,
+            )
 
 
 def jsonable(result: dict) -> dict:

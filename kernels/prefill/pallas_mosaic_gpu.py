@@ -5,16 +5,16 @@ Same contract as ``pallas_triton.flash_prefill`` (the same checks, the same host
 query tiles). A program owns one 128-row query tile of the schedule (rows of one sequence)
 and one head, on three warpgroups:
 
-* two consumer warpgroups each own 64 query rows (one wgmma M tile): their queries are
-  copied once into (swizzled) shared memory through registers, then per block of
-  ``block_k`` keys
+* two consumer warpgroups each own 64 query rows (one wgmma M tile), copied once into
+  (swizzled) shared memory, then per block of ``block_k`` keys (64, or 128 for long
+  tiles)
   ``S = Q K^T`` (a wgmma over the whole q/k width, 192 = three 64-column swizzled tiles),
   the online softmax in float32 (log2 domain, ``exp2`` with the folded scale) and
   ``acc = acc * alpha + P V`` (a wgmma with the bf16 probabilities in registers, or
   staged in shared memory);
-* a producer warpgroup copies the key and value blocks by TMA into a ring of
-  ``num_stages`` shared-memory slots, each slot refilled once both consumers released it
-  (an mbarrier per slot and direction).
+* a producer warpgroup copies the queries and the key and value blocks by TMA, the blocks
+  into a ring of ``num_stages`` shared-memory slots, each slot refilled once both consumers
+  released it (an mbarrier per slot and direction).
 
 Causal blocks that no row of the tile sees are not visited; the blocks that every row sees
 whole run without a mask; the others (the diagonal, a sequence's last partial block) are
@@ -24,7 +24,7 @@ Boxes are fixed-size, so every box is kept inside its array instead of being mas
 query tile's 128-row window starts at ``min(tile_start, Tq - 128)``; key blocks start on
 multiples of 8 from the sequence's first key rounded down (a TMA box into 8-row swizzled
 tiles must provably start on a multiple of 8, so ragged sequences cannot start their blocks
-on their first key; the queries, loaded once, go through registers instead), and a block
+on their first key; queries that do not start on one go through registers), and a block
 that would run past the end of k is read from ``Tk - block_k`` (arrays shorter than a box,
 and k not a multiple of 8 rows, are zero-padded first). Rows of a window outside the tile
 are computed and never stored; keys of a box outside the block's range (the previous
@@ -68,29 +68,38 @@ SMEM_BYTES = 227 * 1024  # sm90's shared memory per block
 L2_BUDGET = 24 * 2**20  # keys and values in flight: half of an H100's or H200's L2
 
 
+MAX_STAGES = 4  # key/value slots chosen automatically: more measured no faster
+# Tiles that visit at least this many keys on average run 128-key blocks when the
+# kernel chooses (``block_k=None``): fewer rescales, row reductions and barriers per key pay
+# on long tiles; a block's fixed costs and masked edges weigh more on short ones (figures
+# in MOSAIC_GPU.md).
+LONG_TILE_KEYS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillConfig:
     """Compile options of the Mosaic GPU prefill kernel.
 
-    block_k: keys per step (64 or 128).
-    num_stages: key/value slots in shared memory (>= 2).
+    block_k: keys per step, 64 or 128; None: both compiled, the call choosing 128 where its
+      tiles visit ``LONG_TILE_KEYS`` keys or more on average and 128-key blocks fit shared
+      memory, 64 elsewhere.
+    num_stages: key/value slots in shared memory (>= 2); None: the most that fit, up to
+      ``MAX_STAGES``.
     p_in_registers: ``P V`` takes the probabilities from registers (FlashAttention-3's
       register operand); off, they are staged in shared memory first (as the decode
       kernel does). Interpret mode always stages them (its wgmma reads refs only).
-    producer_warpgroup: a third warpgroup issues the key/value copies (FA3); off, consumer
-      0 issues them as both consumers release a slot (256 threads: ptxas may give a
-      consumer up to 255 registers, where 384 threads cap every role at 168).
+    producer_warpgroup: a third warpgroup issues the query and key/value copies (FA3);
+      off, consumer 0 issues them as both consumers release a slot (256 threads: ptxas
+      may give a consumer up to 255 registers, where 384 threads cap every role at 168).
     schedule_barrier: FA3's ping-pong, an mbarrier through which the consumers take
-      turns: one's softmax runs while the other's matmuls do (with a producer only; on an
-      H200, 1 x 4096 causal: 447.6 TFLOP/s against 438.7 without at 128 heads, 444.7
-      against 421.9 at 16: ``bench_prefill.py --sweep mosaic``, 2026-11-25).
+      turns: one's softmax runs while the other's matmuls do (with a producer only).
     approx_math: exp2, log and reciprocals through the special-function unit.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory access
       (off: the kernel orders its stores itself, through mbarriers and commit_smem).
     """
 
-    block_k: int = 64
-    num_stages: int = 3
+    block_k: int | None = None
+    num_stages: int | None = None
     p_in_registers: bool = True
     producer_warpgroup: bool = True
     schedule_barrier: bool = True
@@ -98,25 +107,49 @@ class MosaicPrefillConfig:
     auto_barriers: bool = False
 
     def __post_init__(self):
-        if self.block_k not in (64, 128):
-            raise ValueError(f"block_k must be 64 or 128, got {self.block_k}")
-        if self.num_stages < 2:
+        if self.block_k not in (None, 64, 128):
+            raise ValueError(f"block_k must be 64, 128 or None, got {self.block_k}")
+        if self.num_stages is not None and self.num_stages < 2:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
         if self.schedule_barrier and not self.producer_warpgroup:
             # Consumer 0 would wait for consumer 1's release of a block that consumer 1
             # finishes only after consumer 0's next turn.
             raise ValueError("schedule_barrier needs producer_warpgroup")
 
+    def compiled(self, dqk: int, dv: int, *, stage_p: bool) -> tuple[MosaicPrefillConfig, ...]:
+        """The kernels a call compiles at these widths, each with its block size and stages
+        fixed: one, or a 64-key and a 128-key one to choose between (``block_k=None``
+        where 128-key blocks fit). The first is the one ``unsupported`` checks."""
+        sizes = (self.block_k,) if self.block_k else (64, 128)
+        configs = []
+        for block_k in sizes:
+            stages = self.num_stages
+            if stages is None:
+                fits = [
+                    n
+                    for n in range(2, MAX_STAGES + 1)
+                    if smem_bytes(dqk, dv, block_k, n, stage_p=stage_p) <= SMEM_BYTES
+                ]
+                stages = max(fits, default=2)
+            configs.append(dataclasses.replace(self, block_k=block_k, num_stages=stages))
+        if self.block_k is None:
+            configs = [c for c in configs if c.block_k == 64 or _fits(c, dqk, dv, stage_p)]
+        return tuple(configs)
 
-def smem_bytes(dqk: int, dv: int, config: MosaicPrefillConfig, *, stage_p: bool) -> int:
-    """Shared memory of a program: queries, the key/value ring, the staged output and (when
-    ``stage_p``) the probabilities."""
+
+def _fits(config: MosaicPrefillConfig, dqk: int, dv: int, stage_p: bool) -> bool:
+    need = smem_bytes(dqk, dv, config.block_k, config.num_stages, stage_p=stage_p)
+    return need <= SMEM_BYTES
+
+
+def smem_bytes(dqk: int, dv: int, block_k: int, num_stages: int, *, stage_p: bool) -> int:
+    """Shared memory of a program: queries (whose bytes the staged output reuses), the
+    key/value ring and (when ``stage_p``) the probabilities."""
     bf16 = 2
-    total = BLOCK_Q * dqk * bf16  # queries
-    total += config.num_stages * config.block_k * (dqk + dv) * bf16
-    total += BLOCK_Q * dv * bf16  # output staging
+    total = BLOCK_Q * max(dqk, dv) * bf16  # queries, then the output staging
+    total += num_stages * block_k * (dqk + dv) * bf16
     if stage_p:
-        total += BLOCK_Q * config.block_k * bf16
+        total += BLOCK_Q * block_k * bf16
     return total + 2048  # barriers and alignment (Mosaic GPU counts ~1.1 KB)
 
 
@@ -146,10 +179,12 @@ def unsupported(q, k, v, config: MosaicPrefillConfig | None = None) -> str | Non
     config = config or MosaicPrefillConfig()
     interpret = jax.default_backend() != "gpu"
     stage_p = interpret or not config.p_in_registers
-    if (need := smem_bytes(dqk, dv, config, stage_p=stage_p)) > SMEM_BYTES:
+    first = config.compiled(dqk, dv, stage_p=stage_p)[0]
+    if not _fits(first, dqk, dv, stage_p):
+        need = smem_bytes(dqk, dv, first.block_k, first.num_stages, stage_p=stage_p)
         return (
-            f"widths q/k {dqk} and v {dv} with block_k {config.block_k} and "
-            f"{config.num_stages} stages ({need} bytes of shared memory)"
+            f"widths q/k {dqk} and v {dv} with block_k {first.block_k} and "
+            f"{first.num_stages} stages ({need} bytes of shared memory)"
         )
     return mosaic_gpu.device_unsupported()
 
@@ -238,26 +273,54 @@ def _flash_prefill(
             xp=jnp,
         )
     # Every TMA box must lie inside its array: arrays shorter than a box are padded (rows
-    # past Tq / Tk are never stored, and their keys are masked).
-    q = online_softmax.pad_to(q, (max(tq, BLOCK_Q), n, dqk))
-    # Key boxes start on multiples of 8 and stay inside k: k's rows rounded up to a
-    # multiple of 8 (a copy only where they are not; the engine's buckets are).
-    rows_k = max(-(-tk // ALIGN) * ALIGN, config.block_k)
+    # past Tq / Tk are never stored, and their keys are masked). Boxes start on multiples
+    # of 8 rows, which TMA takes from arrays of a multiple of 8 rows: q, k and v are
+    # rounded up to one (a copy only where they are not; the engine's buckets are).
+    q = online_softmax.pad_to(q, (max(-(-tq // ALIGN) * ALIGN, BLOCK_Q), n, dqk))
+    configs = config.compiled(dqk, dv, stage_p=interpret or not config.p_in_registers)
+    rows_k = max(-(-tk // ALIGN) * ALIGN, *(c.block_k for c in configs))
     k = online_softmax.pad_to(k, (rows_k, n, dqk))
     v = online_softmax.pad_to(v, (rows_k, n, dv))
-    out, lse_tiles = _prefill_call(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        schedule,
-        scale=scale,
-        causal=causal,
-        config=config,
-        interpret=interpret,
-    )
+    calls = [
+        functools.partial(
+            _prefill_call,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            schedule,
+            scale=scale,
+            causal=causal,
+            config=c,
+            interpret=interpret,
+        )
+        for c in configs
+    ]
+    if len(calls) == 1:
+        out, lse_tiles = calls[0]()
+    else:
+        keys = mean_tile_keys(schedule, cu_seqlens_q, cu_seqlens_k, causal=causal)
+        out, lse_tiles = lax.cond(keys >= LONG_TILE_KEYS, calls[1], calls[0])
     return out[:tq], _gather_lse(lse_tiles, schedule, tq, q.shape[0])
+
+
+def mean_tile_keys(schedule, cu_seqlens_q, cu_seqlens_k, *, causal: bool) -> jax.Array:
+    """The keys a tile of ``schedule`` visits, on average over its non-empty tiles (float32
+    scalar; 0 without any): the kernel's reach, from the sequence's first key to the last
+    key its last row sees."""
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    seg, r0, r1 = schedule.tile_segment, schedule.tile_start, schedule.tile_end
+    real = (seg < num_seqs) & (r0 < r1)
+    s = jnp.minimum(seg, num_seqs - 1)
+    k0, k1 = cu_seqlens_k[s], cu_seqlens_k[s + 1]
+    if causal:
+        q1 = cu_seqlens_q[s + 1]
+        k_hi = jnp.clip(r1 + k1 - q1, k0, k1)  # the kernel's: diag = k1 - q1
+    else:
+        k_hi = k1
+    total = jnp.sum(jnp.where(real, k_hi - k0, 0).astype(jnp.float32))
+    return total / jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
 
 
 def _window_start(tile_start, q_rows: int):
@@ -294,11 +357,19 @@ def _prefill_call(
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf16 = jnp.bfloat16
     scratch = dict(
-        q_smem=plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, dqk), bf16, transforms=swizzled),
+        # A consumer's queries are dead after its last ``S``: its output staging (plain
+        # rows, no tiling: the output leaves in TMA stores of any row count) takes their
+        # bytes. One union per consumer, as they finish at different times.
+        q_o_smem=[
+            plgpu.RefUnion(
+                plgpu.SMEM((WG_ROWS, dqk), bf16, transforms=swizzled),
+                plgpu.SMEM((WG_ROWS, dv), bf16),
+            )
+            for _ in range(NUM_CONSUMERS)
+        ],
         k_smem=plgpu.SMEM((stages, bk, dqk), bf16, transforms=swizzled),
         v_smem=plgpu.SMEM((stages, bk, dv), bf16, transforms=swizzled),
-        # Plain rows (no tiling): the output leaves in TMA stores of any row count.
-        o_smem=plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, dv), bf16),
+        q_ready=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS),
         k_ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         v_ready=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
@@ -317,6 +388,9 @@ def _prefill_call(
             num_stages=stages,
             producer_warpgroup=config.producer_warpgroup,
             heads_per_group=group,
+            # Interpreted on a small machine, a warpgroup waiting for its queries' copy
+            # starves the others of XLA's CPU threads (a deadlock on 2 cores).
+            queries_by_tma=not interpret,
             interpret=interpret,
         ),
         out_type=(
@@ -354,10 +428,10 @@ def _kernel(
     out_ref,
     lse_ref,
     *,
-    q_smem,
+    q_o_smem,
     k_smem,
     v_smem,
-    o_smem,
+    q_ready,
     k_ready,
     v_ready,
     k_free,
@@ -370,6 +444,7 @@ def _kernel(
     num_stages,
     producer_warpgroup,
     heads_per_group,
+    queries_by_tma,
     interpret,
 ):
     """One query tile x one head on three warpgroups (two consumers, one producer); the
@@ -446,9 +521,37 @@ def _kernel(
 
         lax.fori_loop(jnp.maximum(num_blocks - num_stages, 0), num_blocks, body, 0)
 
+    def queries_aligned(w):
+        """Whether consumer ``w``'s 64 query rows start on a multiple of 8 (a TMA box into
+        8-row tiles must provably start on one)."""
+        return lax.rem(w0 + w * WG_ROWS, ALIGN) == 0
+
+    def copy_queries():
+        """Copies each consumer's query rows by TMA where they are aligned."""
+        for w in range(NUM_CONSUMERS):
+            rows = pl.ds(lax.div(w0 + w * WG_ROWS, ALIGN) * ALIGN, WG_ROWS)
+            copy = functools.partial(
+                plgpu.copy_gmem_to_smem, q_ref.at[rows, h], q_o_smem[w][0], q_ready.at[w]
+            )
+            pl.when(queries_aligned(w))(copy)
+
+    def queries_by_registers(w):
+        """Copies consumer ``w``'s query rows through registers (any start row)."""
+        q_smem = q_o_smem[w][0]
+        for c in range(q_smem.shape[-1] // 64):
+            cols = pl.ds(c * 64, 64)
+            q_smem.at[:, cols][...] = plgpu.load(
+                q_ref.at[pl.ds(w0 + w * WG_ROWS, WG_ROWS), h, cols],
+                layout=plgpu.Layout.WGMMA,
+                optimized=False,
+            )
+        plgpu.commit_smem()
+
     def producer():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
+        if queries_by_tma:
+            copy_queries()
 
         def body(j, carry):
             load(j, wait_free=j >= num_stages)
@@ -464,20 +567,23 @@ def _kernel(
         if producer_warpgroup and not interpret:
             plgpu.set_max_registers(232, action="increase")
         if issues_copies:
+            if queries_by_tma:
+                copy_queries()
             for i in range(num_stages):
                 pl.when(i < num_blocks)(functools.partial(load, i, wait_free=False))
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         log2_scale = scale * math.log2(math.e)
         row0 = w0 + w * WG_ROWS
-        # The queries go through registers: a tile starts on any row, and a TMA box into
-        # 8-row tiles must start on a multiple of 8.
-        for c in range(q_smem.shape[-1] // 64):
-            cols = pl.ds(c * 64, 64)
-            q_smem.at[w, :, cols][...] = plgpu.load(
-                q_ref.at[pl.ds(row0, WG_ROWS), h, cols], layout=wgmma_layout, optimized=False
-            )
-        plgpu.commit_smem()
+        q_smem, o_smem = q_o_smem[w]
+        # The window's rows come by TMA where they start on a multiple of 8 (issued with
+        # the key copies), through registers elsewhere.
+        if queries_by_tma:
+            aligned = queries_aligned(w)
+            pl.when(aligned)(lambda: plgpu.barrier_wait(q_ready.at[w]))
+            pl.when(jnp.logical_not(aligned))(functools.partial(queries_by_registers, w))
+        else:
+            queries_by_registers(w)
 
         def take_turns():
             """FA3's ping-pong: the consumers' matmuls alternate with their softmaxes (both
@@ -488,15 +594,19 @@ def _kernel(
 
         def scores(slot):
             def scope(s_ref):
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.wgmma(s_ref, q_smem.at[w], k_smem.at[slot].T)
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
                 take_turns()
                 return s_ref[...]
 
             return pl.run_scoped(scope, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
 
-        def accumulate(acc, alpha, a, b):
-            """``acc * alpha[:, None] + a @ b``. Interpret mode cannot load a value into a
+        def wait_keys(j):
+            """Waits for key block ``j`` (if there is one) to land."""
+            pl.when(j < num_blocks)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(j)]))
+
+        def accumulate(acc, alpha, a, b, j):
+            """``acc * alpha[:, None] + a @ b`` (block ``j``'s values); the next key block
+            is awaited while the product runs. Interpret mode cannot load a value into a
             wgmma accumulator, so there the product starts from zero and is added after
             (the same arithmetic in a different order)."""
             scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -505,6 +615,7 @@ def _kernel(
                 if not interpret:
                     acc_ref[...] = scaled
                 plgpu.wgmma(acc_ref, a, b)
+                wait_keys(j + 1)
                 return acc_ref[...]
 
             total = pl.run_scoped(scope, plgpu.ACC(acc.shape, jnp.float32))
@@ -560,7 +671,7 @@ def _kernel(
                 a = p_smem.at[w]
             if turns is not None:
                 plgpu.barrier_wait(turns)  # the other consumer's matmuls are issued
-            acc = accumulate(acc, alpha, a, v_smem.at[slot])
+            acc = accumulate(acc, alpha, a, v_smem.at[slot], j)
             plgpu.barrier_arrive(v_free.at[slot])
             if issues_copies:
                 refill = j + num_stages
@@ -570,6 +681,7 @@ def _kernel(
         acc = plgpu.layout_cast(jnp.zeros((WG_ROWS, dv), jnp.float32), wgmma_layout)
         m = plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row_layout)
+        wait_keys(0)
         if w == 1:
             take_turns()
         masked = functools.partial(step, masked=True)
@@ -588,7 +700,7 @@ def _kernel(
 
         # The tile's rows among this warpgroup's 64 leave by TMA stores of 64, 32, ..., 1
         # rows (a store's box is static): no row of another tile is written.
-        o_smem[w] = out.astype(o_smem.dtype)
+        o_smem[...] = out.astype(o_smem.dtype)
         plgpu.commit_smem()
         lo = jnp.clip(r0 - row0, 0, WG_ROWS)
         count = jnp.clip(r1 - row0, 0, WG_ROWS) - lo
@@ -600,7 +712,7 @@ def _kernel(
             @pl.when((count & size) != 0)
             def _(offset=offset, size=size):
                 plgpu.copy_smem_to_gmem(
-                    o_smem.at[w, pl.ds(offset, size)],
+                    o_smem.at[pl.ds(offset, size)],
                     out_ref.at[pl.ds(row0 + offset, size), h],
                 )
 

@@ -138,6 +138,40 @@ def test_block_k_128(rng):
     _run(rng, [200, 20], [260, 20], causal=True, dqk=128, dv=64, config=config)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_mean_tile_keys(causal):
+    """The keys a tile visits on average (what chooses 128-key blocks), against the count
+    from the formulas: a tile of sequence s ending at row r1 reaches key
+    ``min(r1 + len_k - len_q, len_k)`` of it (all its keys when not causal)."""
+    lq, lk = [300, 0, 5, 129], [300, 4, 40, 129]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    schedule = prefill.schedule_query_tiles(cu_q, int(cu_q[-1]) + 7, mosaic.BLOCK_Q)
+    reached = []
+    for nq, nk in zip(lq, lk, strict=True):
+        for end in range(mosaic.BLOCK_Q, nq + mosaic.BLOCK_Q, mosaic.BLOCK_Q):  # none if empty
+            end = min(end, nq)
+            reached.append(min(max(end + nk - nq, 0), nk) if causal else nk)
+    got = mosaic.mean_tile_keys(
+        jax.tree.map(jnp.asarray, schedule), jnp.asarray(cu_q), jnp.asarray(cu_k), causal=causal
+    )
+    np.testing.assert_allclose(float(got), np.mean(reached), rtol=1e-6)
+
+
+def test_long_tiles_choose_128_key_blocks(rng, monkeypatch):
+    """With both block sizes compiled (``block_k=None`` where 128-key blocks fit), tiles
+    past the threshold run the 128-key kernel: here every tile, the threshold at 0."""
+    assert [c.block_k for c in mosaic.MosaicPrefillConfig().compiled(128, 64, stage_p=True)] == [
+        64,
+        128,
+    ]
+    assert [c.block_k for c in mosaic.MosaicPrefillConfig().compiled(192, 128, stage_p=True)] == [
+        64
+    ]
+    monkeypatch.setattr(mosaic, "LONG_TILE_KEYS", 0)
+    _run(rng, [200, 20], [260, 20], causal=True, dqk=128, dv=64)
+
+
 @pytest.mark.parametrize(
     "config,causal,widths",
     [
@@ -145,6 +179,7 @@ def test_block_k_128(rng):
         (mosaic.MosaicPrefillConfig(), False, (192, 128)),
         (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
         (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
+        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (192, 128)),
         (
             mosaic.MosaicPrefillConfig(producer_warpgroup=False, schedule_barrier=False),
             True,
@@ -157,6 +192,7 @@ def test_block_k_128(rng):
         "full",
         "p_staged_auto_barriers",
         "block_k_128",
+        "block_k_128_deepseek",
         "no_producer",
         "no_turns",
     ],
@@ -207,7 +243,7 @@ def test_bad_inputs_are_refused_like_triton():
         mosaic.flash_prefill(q, q, q, cu.astype(jnp.float32), cu, scale=1.0, causal=True)
     with pytest.raises(ValueError, match="at most 10"):
         mosaic.flash_prefill(q, q, q, jnp.array([0, 30], jnp.int32), cu, scale=1.0, causal=True)
-    with pytest.raises(ValueError, match="block_k"):
+    with pytest.raises(ValueError, match="block_k must be 64, 128 or None"):
         mosaic.MosaicPrefillConfig(block_k=32)
     with pytest.raises(ValueError, match="needs producer_warpgroup"):
         mosaic.MosaicPrefillConfig(schedule_barrier=True, producer_warpgroup=False)
@@ -215,6 +251,7 @@ def test_bad_inputs_are_refused_like_triton():
 
 GPU_CONFIGS = [
     mosaic.MosaicPrefillConfig(),
+    mosaic.MosaicPrefillConfig(block_k=128),
     mosaic.MosaicPrefillConfig(p_in_registers=False),
     mosaic.MosaicPrefillConfig(num_stages=2),
     mosaic.MosaicPrefillConfig(auto_barriers=True),
@@ -228,9 +265,9 @@ GPU_CONFIGS = [
 def test_deepseek_widths_compiled(rng, causal):
     """Compiled on sm90: 12 ragged sequences of 1..1500 tokens (an empty one, tile and block
     boundaries), context keys on some, four heads, DeepSeek's widths; each config (the
-    default, P staged in shared memory, two stages, Pallas' own barriers, no producer
-    warpgroup, no ping-pong between the consumers), with the host's schedule and the
-    device's."""
+    default, 128-key blocks, P staged in shared memory, two stages, Pallas' own barriers, no
+    producer warpgroup, no ping-pong between the consumers), with the host's schedule and
+    the device's."""
     lq = [1, 1500, 0, 127, 128, 129, 64, 700, 3, 1000, 255, 513]
     extra = [0, 0, 5, 1, 0, 300, 64, 0, 1200, 17, 0, 2]
     lk = [a + b for a, b in zip(lq, extra, strict=True)]
