@@ -68,7 +68,7 @@ SMEM_BYTES = 227 * 1024  # sm90's shared memory per block
 L2_BUDGET = 24 * 2**20  # keys and values in flight: half of an H100's or H200's L2
 
 
-MAX_STAGES = 4  # key/value slots chosen automatically: more measured no faster
+MAX_STAGES = 4  # key/value slots the kernel chooses at most (five do not fit at 192 / 128)
 # Tiles that visit at least this many keys on average run 128-key blocks when the
 # kernel chooses (``block_k=None``): fewer rescales, row reductions and barriers per key pay
 # on long tiles; a block's fixed costs and masked edges weigh more on short ones (figures

@@ -176,23 +176,27 @@ def test_long_tiles_choose_128_key_blocks(rng, monkeypatch):
     "config,causal,widths",
     [
         (mosaic.MosaicPrefillConfig(), True, (192, 128)),
-        (mosaic.MosaicPrefillConfig(), False, (192, 128)),
-        (mosaic.MosaicPrefillConfig(p_in_registers=False, auto_barriers=True), True, (192, 128)),
-        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
-        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(block_k=64), False, (192, 128)),
         (
-            mosaic.MosaicPrefillConfig(producer_warpgroup=False, schedule_barrier=False),
+            mosaic.MosaicPrefillConfig(block_k=64, p_in_registers=False, auto_barriers=True),
             True,
             (192, 128),
         ),
-        (mosaic.MosaicPrefillConfig(schedule_barrier=False), True, (192, 128)),
+        (mosaic.MosaicPrefillConfig(block_k=128, num_stages=2), True, (128, 64)),
+        (
+            mosaic.MosaicPrefillConfig(
+                block_k=64, num_stages=3, producer_warpgroup=False, schedule_barrier=False
+            ),
+            True,
+            (192, 128),
+        ),
+        (mosaic.MosaicPrefillConfig(block_k=64, schedule_barrier=False), True, (192, 128)),
     ],
     ids=[
         "default",
         "full",
         "p_staged_auto_barriers",
         "block_k_128",
-        "block_k_128_deepseek",
         "no_producer",
         "no_turns",
     ],
@@ -200,7 +204,8 @@ def test_long_tiles_choose_128_key_blocks(rng, monkeypatch):
 def test_lowers_for_sm90(config, causal, widths):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory are checked there;
-    only ptxas and the run itself need the GPU."""
+    only ptxas and the run itself need the GPU. The default lowers both block sizes (64-key
+    blocks in four stages, 128 in two); the other configs one kernel each."""
     dqk, dv = widths
     cu = np.array([0, 5, 150, 150, 151], np.int32)
     tq = 156
