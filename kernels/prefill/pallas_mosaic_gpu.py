@@ -137,6 +137,12 @@ class MosaicPrefillConfig:
         return tuple(configs)
 
 
+def _stages_p(config: MosaicPrefillConfig, interpret: bool) -> bool:
+    """Whether the probabilities go through shared memory (interpret mode's wgmma reads
+    refs only)."""
+    return interpret or not config.p_in_registers
+
+
 def _fits(config: MosaicPrefillConfig, dqk: int, dv: int, stage_p: bool) -> bool:
     need = smem_bytes(dqk, dv, config.block_k, config.num_stages, stage_p=stage_p)
     return need <= SMEM_BYTES
@@ -178,7 +184,7 @@ def unsupported(q, k, v, config: MosaicPrefillConfig | None = None) -> str | Non
         return f"widths q/k {dqk} and v {dv} (runs q/k 64..256 in steps of 64, v 64 or 128)"
     config = config or MosaicPrefillConfig()
     interpret = jax.default_backend() != "gpu"
-    stage_p = interpret or not config.p_in_registers
+    stage_p = _stages_p(config, interpret)
     first = config.compiled(dqk, dv, stage_p=stage_p)[0]
     if not _fits(first, dqk, dv, stage_p):
         need = smem_bytes(dqk, dv, first.block_k, first.num_stages, stage_p=stage_p)
@@ -277,7 +283,7 @@ def _flash_prefill(
     # of 8 rows, which TMA takes from arrays of a multiple of 8 rows: q, k and v are
     # rounded up to one (a copy only where they are not; the engine's buckets are).
     q = online_softmax.pad_to(q, (max(-(-tq // ALIGN) * ALIGN, BLOCK_Q), n, dqk))
-    configs = config.compiled(dqk, dv, stage_p=interpret or not config.p_in_registers)
+    configs = config.compiled(dqk, dv, stage_p=_stages_p(config, interpret))
     rows_k = max(-(-tk // ALIGN) * ALIGN, *(c.block_k for c in configs))
     k = online_softmax.pad_to(k, (rows_k, n, dqk))
     v = online_softmax.pad_to(v, (rows_k, n, dv))
@@ -305,21 +311,32 @@ def _flash_prefill(
     return out[:tq], _gather_lse(lse_tiles, schedule, tq, q.shape[0])
 
 
+def tile_keys(seg, r0, r1, cu_seqlens_q, cu_seqlens_k, *, causal: bool):
+    """The keys of the tile(s) covering rows ``[r0, r1)`` of sequence ``seg`` (scalars in
+    the kernel, read from its refs; arrays over a schedule's tiles outside it): ``(k0, k1,
+    diag, k_hi)``, the sequence's keys ``[k0, k1)`` (empty for a tile of padding rows),
+    ``diag`` (causal: row r sees key c iff ``c - r <= diag``, the queries aligned to the end
+    of the keys; None otherwise) and ``k_hi``, one past the last key the tile's last row
+    sees."""
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    has_keys = (seg < num_seqs) & (r0 < r1)
+    s = jnp.minimum(seg, num_seqs - 1)
+    k0 = jnp.where(has_keys, cu_seqlens_k[s], 0)
+    k1 = jnp.where(has_keys, cu_seqlens_k[s + 1], 0)
+    if not causal:
+        return k0, k1, None, k1
+    diag = k1 - cu_seqlens_q[s + 1]  # row q0 + i sees keys up to k0 + i + len_k - len_q
+    return k0, k1, diag, jnp.clip(r1 + diag, k0, k1)
+
+
 def mean_tile_keys(schedule, cu_seqlens_q, cu_seqlens_k, *, causal: bool) -> jax.Array:
     """The keys a tile of ``schedule`` visits, on average over its non-empty tiles (float32
     scalar; 0 without any): the kernel's reach, from the sequence's first key to the last
     key its last row sees."""
-    num_seqs = cu_seqlens_k.shape[0] - 1
     seg, r0, r1 = schedule.tile_segment, schedule.tile_start, schedule.tile_end
-    real = (seg < num_seqs) & (r0 < r1)
-    s = jnp.minimum(seg, num_seqs - 1)
-    k0, k1 = cu_seqlens_k[s], cu_seqlens_k[s + 1]
-    if causal:
-        q1 = cu_seqlens_q[s + 1]
-        k_hi = jnp.clip(r1 + k1 - q1, k0, k1)  # the kernel's: diag = k1 - q1
-    else:
-        k_hi = k1
-    total = jnp.sum(jnp.where(real, k_hi - k0, 0).astype(jnp.float32))
+    k0, _, _, k_hi = tile_keys(seg, r0, r1, cu_seqlens_q, cu_seqlens_k, causal=causal)
+    real = (seg < cu_seqlens_k.shape[0] - 1) & (r0 < r1)
+    total = jnp.sum((k_hi - k0).astype(jnp.float32))  # 0 for tiles of padding rows
     return total / jnp.maximum(jnp.sum(real), 1).astype(jnp.float32)
 
 
@@ -351,7 +368,7 @@ def _prefill_call(
     q_rows, n, dqk = q.shape
     dv = v.shape[-1]
     bk, stages = config.block_k, config.num_stages
-    stage_p = interpret or not config.p_in_registers
+    stage_p = _stages_p(config, interpret)
     tiles = schedule.tile_segment.shape[0]
     group = head_group(n, k.shape[0], dqk + dv)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -453,21 +470,9 @@ def _kernel(
     h = lax.axis_index("g") * heads_per_group + lax.axis_index("hg")
     dv = v_smem.shape[-1]
     seg, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
-    num_seqs = cu_k_ref.shape[0] - 1
-    has_keys = (seg < num_seqs) & (r0 < r1)
-    s_idx = jnp.minimum(seg, num_seqs - 1)
-    k0 = jnp.where(has_keys, cu_k_ref[s_idx], 0)
-    k1 = jnp.where(has_keys, cu_k_ref[s_idx + 1], 0)
-    if causal:
-        # Row r of the sequence sees key c iff c - r <= diag (queries aligned to the end of
-        # the keys: row q0 + i sees keys up to k0 + i + len_k - len_q).
-        q0 = cu_q_ref[s_idx]
-        diag = (k0 - q0) + (k1 - k0) - (cu_q_ref[s_idx + 1] - q0)
-        k_hi = jnp.clip(r1 + diag, k0, k1)  # one past the last key of the tile's last row
-        k_all = jnp.clip(r0 + diag + 1, k0, k1)  # keys every row of the tile sees
-    else:
-        diag = None
-        k_hi = k_all = k1
+    k0, k1, diag, k_hi = tile_keys(seg, r0, r1, cu_q_ref, cu_k_ref, causal=causal)
+    # Keys every row of the tile sees.
+    k_all = k1 if diag is None else jnp.clip(r0 + diag + 1, k0, k1)
     # Key blocks start on multiples of ALIGN (a TMA box into 8-row tiles must start on
     # one, provably): block j holds keys [kb + j * block_k, ...) from kb = k0 rounded down.
     # Keys before k0 in block 0 (the previous sequence's) are masked like any stray key.
@@ -521,15 +526,19 @@ def _kernel(
 
         lax.fori_loop(jnp.maximum(num_blocks - num_stages, 0), num_blocks, body, 0)
 
+    def first_row(w):
+        """The first of consumer ``w``'s 64 query rows."""
+        return w0 + w * WG_ROWS
+
     def queries_aligned(w):
-        """Whether consumer ``w``'s 64 query rows start on a multiple of 8 (a TMA box into
+        """Whether consumer ``w``'s query rows start on a multiple of 8 (a TMA box into
         8-row tiles must provably start on one)."""
-        return lax.rem(w0 + w * WG_ROWS, ALIGN) == 0
+        return lax.rem(first_row(w), ALIGN) == 0
 
     def copy_queries():
         """Copies each consumer's query rows by TMA where they are aligned."""
         for w in range(NUM_CONSUMERS):
-            rows = pl.ds(lax.div(w0 + w * WG_ROWS, ALIGN) * ALIGN, WG_ROWS)
+            rows = pl.ds(lax.div(first_row(w), ALIGN) * ALIGN, WG_ROWS)
             copy = functools.partial(
                 plgpu.copy_gmem_to_smem, q_ref.at[rows, h], q_o_smem[w][0], q_ready.at[w]
             )
@@ -541,7 +550,7 @@ def _kernel(
         for c in range(q_smem.shape[-1] // 64):
             cols = pl.ds(c * 64, 64)
             q_smem.at[:, cols][...] = plgpu.load(
-                q_ref.at[pl.ds(w0 + w * WG_ROWS, WG_ROWS), h, cols],
+                q_ref.at[pl.ds(first_row(w), WG_ROWS), h, cols],
                 layout=plgpu.Layout.WGMMA,
                 optimized=False,
             )
@@ -574,7 +583,7 @@ def _kernel(
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         log2_scale = scale * math.log2(math.e)
-        row0 = w0 + w * WG_ROWS
+        row0 = first_row(w)
         q_smem, o_smem = q_o_smem[w]
         # The window's rows come by TMA where they start on a multiple of 8 (issued with
         # the key copies), through registers elsewhere.
