@@ -303,7 +303,9 @@ def _flash_prefill(
         )
         for c in configs
     ]
-    if len(calls) == 1:
+    if len(calls) == 1 or interpret:
+        # Interpreted, the first (64-key) kernel only: Mosaic GPU's interpreter deadlocked
+        # (CI, 2 cores, jax 0.12) running the kernels under the lax.cond below.
         out, lse_tiles = calls[0]()
     else:
         keys = mean_tile_keys(schedule, cu_seqlens_q, cu_seqlens_k, causal=causal)

@@ -158,18 +158,17 @@ def test_mean_tile_keys(causal):
     np.testing.assert_allclose(float(got), np.mean(reached), rtol=1e-6)
 
 
-def test_long_tiles_choose_128_key_blocks(rng, monkeypatch):
-    """With both block sizes compiled (``block_k=None`` where 128-key blocks fit), tiles
-    past the threshold run the 128-key kernel: here every tile, the threshold at 0."""
-    assert [c.block_k for c in mosaic.MosaicPrefillConfig().compiled(128, 64, stage_p=True)] == [
-        64,
-        128,
+def test_default_compiles_both_block_sizes():
+    """``block_k=None`` compiles a 64-key and a 128-key kernel where 128-key blocks fit
+    (the call chooses on the device: compiled only, interpreted it runs the 64-key one),
+    only the 64-key one where they do not (P staged at DeepSeek's widths)."""
+    auto = mosaic.MosaicPrefillConfig()
+    assert [(c.block_k, c.num_stages) for c in auto.compiled(192, 128, stage_p=False)] == [
+        (64, 4),
+        (128, 2),
     ]
-    assert [c.block_k for c in mosaic.MosaicPrefillConfig().compiled(192, 128, stage_p=True)] == [
-        64
-    ]
-    monkeypatch.setattr(mosaic, "LONG_TILE_KEYS", 0)
-    _run(rng, [200, 20], [260, 20], causal=True, dqk=128, dv=64)
+    assert [c.block_k for c in auto.compiled(128, 64, stage_p=True)] == [64, 128]
+    assert [c.block_k for c in auto.compiled(192, 128, stage_p=True)] == [64]
 
 
 @pytest.mark.parametrize(
