@@ -4,9 +4,12 @@ whether this device and jax run them, and the fallbacks to Triton logged once.""
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+log = logging.getLogger(__name__)
 
 _logged: set[str] = set()
 
@@ -37,9 +40,44 @@ def device_unsupported() -> str | None:
     return None
 
 
-def kernel_options(config, interpret: bool) -> dict:
+def cpu_pool_threads() -> int:
+    """The threads of XLA's CPU pool, sized as XLA sizes it when jax starts: ``PJRT_NPROC``,
+    else ``NPROC``, else the cores this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# XLA's CPU pool for interpret mode: more threads than a kernel here has warpgroups (three)
+# and their caller, which block one each (``kernel_options``).
+INTERPRET_POOL_THREADS = 8
+
+
+def widen_cpu_pool() -> None:
+    """Gives XLA's CPU pool at least ``INTERPRET_POOL_THREADS`` threads (``PJRT_NPROC``)
+    unless it is set. XLA reads it when jax starts its CPU backend: call before any
+    computation."""
+    os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_POOL_THREADS, cpu_pool_threads())))
+
+
+def kernel_options(config, interpret: bool, num_warpgroups: int) -> dict:
     """``plgpu.kernel``'s compile and interpret options from a Mosaic GPU kernel's frozen
-    config (its ``approx_math`` and ``auto_barriers``)."""
+    config (its ``approx_math`` and ``auto_barriers``).
+
+    Interpreted, each of the ``num_warpgroups`` warpgroups runs as a computation whose
+    callbacks block in mbarrier waits on a thread of XLA's CPU pool, and the kernel's caller
+    holds one more; a pool with fewer threads can deadlock (it did on 2 cores), which is
+    said once with the setting that avoids it."""
+    if interpret and cpu_pool_threads() <= num_warpgroups:
+        log_once(
+            log,
+            f"Mosaic GPU interpret mode: XLA's CPU pool has {cpu_pool_threads()} threads and "
+            f"the kernel's {num_warpgroups} warpgroups and their caller block "
+            f"{num_warpgroups + 1}, so it can deadlock: set PJRT_NPROC={num_warpgroups + 1} "
+            "or more before jax starts",
+        )
     return dict(
         compiler_params=plgpu.CompilerParams(
             approx_math=config.approx_math,

@@ -145,10 +145,7 @@ def _mosaic(lens, n, sizes: Sizes, variant=None):
             q, k, v, cu, cu, scale=sizes.scale, causal=True, schedule=schedule, config=config
         )
 
-    if jax.default_backend() == "gpu":
-        f = jax.jit(f)  # offsets and schedule as arguments, as in the model
-    # else interpreted, called eagerly: Mosaic GPU's interpreter can deadlock under an outer
-    # jit with the schedule as an argument (kernels/decode/MOSAIC_GPU.md).
+    f = jax.jit(f)  # offsets and schedule as arguments, as in the model
     return lambda q, k, v: f(q, k, v, cu, schedule)
 
 

@@ -18,6 +18,7 @@ sys.path.insert(0, TESTS)
 
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
 from mla_jax.kernels import KernelPlan  # noqa: E402
+from mla_jax.kernels.mosaic_gpu import widen_cpu_pool  # noqa: E402
 from mla_jax.model.config import MLAConfig, RopeConfig  # noqa: E402
 from mla_jax.model.rope import cos_sin_scale, inv_freq  # noqa: E402
 
@@ -40,6 +41,10 @@ if not any(
             os.environ.get("XLA_FLAGS", ""),
         ]
     ).strip()
+
+# Mosaic GPU's interpreter blocks a thread of XLA's CPU pool per warpgroup (the pool has as
+# many as cores: it deadlocked on 2); before the first computation, like the flags above.
+widen_cpu_pool()
 
 # Pallas' Triton lowering for a GPU, run where there is none: jax 0.10 lowers there; from
 # 0.11 the lowering asks the device for its compute capability ("No supported GPU devices

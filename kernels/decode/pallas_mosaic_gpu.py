@@ -329,7 +329,7 @@ def _decode_call(
         grid_names=("h", "p"),
         num_threads=NUM_WARPGROUPS,
         thread_name="wg",
-        **mosaic_gpu.kernel_options(config, interpret),
+        **mosaic_gpu.kernel_options(config, interpret, NUM_WARPGROUPS),
     )
     return kernel(
         schedule.prog_items,

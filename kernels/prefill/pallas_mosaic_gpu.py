@@ -303,9 +303,7 @@ def _flash_prefill(
         )
         for c in configs
     ]
-    if len(calls) == 1 or interpret:
-        # Interpreted, the first (64-key) kernel only: Mosaic GPU's interpreter deadlocked
-        # (CI, 2 cores, jax 0.12) running the kernels under the lax.cond below.
+    if len(calls) == 1:
         out, lse_tiles = calls[0]()
     else:
         keys = mean_tile_keys(schedule, cu_seqlens_q, cu_seqlens_k, causal=causal)
@@ -373,6 +371,7 @@ def _prefill_call(
     stage_p = _stages_p(config, interpret)
     tiles = schedule.tile_segment.shape[0]
     group = head_group(n, k.shape[0], dqk + dv)
+    warpgroups = NUM_CONSUMERS + int(config.producer_warpgroup)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf16 = jnp.bfloat16
     scratch = dict(
@@ -407,9 +406,6 @@ def _prefill_call(
             num_stages=stages,
             producer_warpgroup=config.producer_warpgroup,
             heads_per_group=group,
-            # Interpreted on a small machine, a warpgroup waiting for its queries' copy
-            # starves the others of XLA's CPU threads (a deadlock on 2 cores).
-            queries_by_tma=not interpret,
             interpret=interpret,
         ),
         out_type=(
@@ -419,9 +415,9 @@ def _prefill_call(
         scratch_types=scratch,
         grid=(n // group, tiles, group),
         grid_names=("g", "t", "hg"),
-        num_threads=NUM_CONSUMERS + int(config.producer_warpgroup),
+        num_threads=warpgroups,
         thread_name="wg",
-        **mosaic_gpu.kernel_options(config, interpret),
+        **mosaic_gpu.kernel_options(config, interpret, warpgroups),
     )
     return kernel(
         schedule.tile_segment,
@@ -463,7 +459,6 @@ def _kernel(
     num_stages,
     producer_warpgroup,
     heads_per_group,
-    queries_by_tma,
     interpret,
 ):
     """One query tile x one head on three warpgroups (two consumers, one producer); the
@@ -561,8 +556,7 @@ def _kernel(
     def producer():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        if queries_by_tma:
-            copy_queries()
+        copy_queries()
 
         def body(j, carry):
             load(j, wait_free=j >= num_stages)
@@ -578,8 +572,7 @@ def _kernel(
         if producer_warpgroup and not interpret:
             plgpu.set_max_registers(232, action="increase")
         if issues_copies:
-            if queries_by_tma:
-                copy_queries()
+            copy_queries()
             for i in range(num_stages):
                 pl.when(i < num_blocks)(functools.partial(load, i, wait_free=False))
         wgmma_layout = plgpu.Layout.WGMMA
@@ -589,12 +582,9 @@ def _kernel(
         q_smem, o_smem = q_o_smem[w]
         # The window's rows come by TMA where they start on a multiple of 8 (issued with
         # the key copies), through registers elsewhere.
-        if queries_by_tma:
-            aligned = queries_aligned(w)
-            pl.when(aligned)(lambda: plgpu.barrier_wait(q_ready.at[w]))
-            pl.when(jnp.logical_not(aligned))(functools.partial(queries_by_registers, w))
-        else:
-            queries_by_registers(w)
+        aligned = queries_aligned(w)
+        pl.when(aligned)(lambda: plgpu.barrier_wait(q_ready.at[w]))
+        pl.when(jnp.logical_not(aligned))(functools.partial(queries_by_registers, w))
 
         def take_turns():
             """FA3's ping-pong: the consumers' matmuls alternate with their softmaxes (both

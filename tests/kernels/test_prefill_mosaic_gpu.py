@@ -9,9 +9,7 @@ kernel does not write fails) and fails a kernel that leaves an mbarrier phase un
 Two things differ there: the rescaled accumulation adds ``P V`` after a zero-started wgmma
 (interpret mode cannot load a value into an accumulator), and ``P`` always goes through
 shared memory (its wgmma reads refs only); the compiled paths are covered by the tests
-marked ``gpu``. The kernel is called eagerly (it jits itself): under an outer jit with the
-schedule as an argument the interpreter's warpgroup threads can deadlock on a small machine
-(see kernels/decode/MOSAIC_GPU.md).
+marked ``gpu``.
 
 Tolerances: out 3e-3 relative, lse 1e-5 absolute (the project's bf16 lse bound: compiled,
 exp2 and log are approximate). Measured against float64 (interpret mode, CPU, 2026-11-25,
@@ -21,6 +19,7 @@ lse <= 5.1e-7.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -52,15 +51,11 @@ def _check(inputs, *, causal, host=True, config=None, want=None):
     schedule = prefill.schedule_query_tiles(cu_q, q.shape[0], mosaic.BLOCK_Q) if host else None
     args = [jnp.asarray(a, BF16) for a in (q, k, v)]
     assert mosaic.unsupported(*args, config) is None  # no silent fallback to Triton
-    got = mosaic.flash_prefill(
-        *args,
-        jnp.asarray(cu_q),
-        jnp.asarray(cu_k),
-        scale=SCALE,
-        causal=causal,
-        schedule=schedule,
-        config=config,
+    # Under a jit with the offsets and the schedule as arguments, as the model calls it.
+    call = jax.jit(
+        functools.partial(mosaic.flash_prefill, scale=SCALE, causal=causal, config=config)
     )
+    got = call(*args, jnp.asarray(cu_q), jnp.asarray(cu_k), schedule=schedule)
     assert got[0].dtype == BF16 and got[0].shape == (q.shape[0], q.shape[1], v.shape[-1])
     assert got[1].shape == q.shape[:2]
     prefill_tests._check(got, q, k, v, cu_q, cu_k, causal=causal, scale=SCALE, tol=TOL, want=want)
@@ -158,10 +153,10 @@ def test_mean_tile_keys(causal):
     np.testing.assert_allclose(float(got), np.mean(reached), rtol=1e-6)
 
 
-def test_default_compiles_both_block_sizes():
-    """``block_k=None`` compiles a 64-key and a 128-key kernel where 128-key blocks fit
-    (the call chooses on the device: compiled only, interpreted it runs the 64-key one),
-    only the 64-key one where they do not (P staged at DeepSeek's widths)."""
+def test_long_tiles_choose_128_key_blocks(rng, monkeypatch):
+    """``block_k=None`` compiles a 64-key and a 128-key kernel where 128-key blocks fit,
+    only the 64-key one where they do not (P staged at DeepSeek's widths); tiles past the
+    threshold run the 128-key one: here every tile, the threshold at 0."""
     auto = mosaic.MosaicPrefillConfig()
     assert [(c.block_k, c.num_stages) for c in auto.compiled(192, 128, stage_p=False)] == [
         (64, 4),
@@ -169,6 +164,8 @@ def test_default_compiles_both_block_sizes():
     ]
     assert [c.block_k for c in auto.compiled(128, 64, stage_p=True)] == [64, 128]
     assert [c.block_k for c in auto.compiled(192, 128, stage_p=True)] == [64]
+    monkeypatch.setattr(mosaic, "LONG_TILE_KEYS", 0)
+    _run(rng, [190, 30], [250, 30], causal=True, dqk=128, dv=64)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,31 @@ def test_mosaic_gpu_forced():
             kernels.select("mosaic_gpu")
 
 
+@pytest.mark.skipif(
+    not hasattr(kernels.mosaic_gpu.plgpu, "InterpretGPUParams"),
+    reason="Mosaic GPU interpret mode needs jax >= 0.11",
+)
+def test_small_interpret_pool_is_named(monkeypatch, caplog):
+    """Interpreted, a CPU pool without a thread per warpgroup and one for their caller is
+    a warning naming the setting (once); a large enough one, or compiled, says nothing."""
+    config = pallas_mosaic_gpu.MosaicDecodeConfig()
+    monkeypatch.setattr(kernels.mosaic_gpu, "_logged", set())
+    monkeypatch.setenv("PJRT_NPROC", "3")
+    kernels.mosaic_gpu.kernel_options(config, False, 3)
+    assert not caplog.records
+    kernels.mosaic_gpu.kernel_options(config, True, 3)
+    kernels.mosaic_gpu.kernel_options(config, True, 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Mosaic GPU interpret mode: XLA's CPU pool has 3 threads and the kernel's 3 "
+        "warpgroups and their caller block 4, so it can deadlock: set PJRT_NPROC=4 or more "
+        "before jax starts"
+    ]
+    caplog.clear()
+    monkeypatch.setenv("PJRT_NPROC", "4")
+    kernels.mosaic_gpu.kernel_options(config, True, 3)
+    assert not caplog.records
+
+
 def _assert_schedules_equal(got, want):
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
