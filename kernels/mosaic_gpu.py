@@ -70,10 +70,11 @@ def kernel_options(config, interpret: bool, num_warpgroups: int) -> dict:
     callbacks block in mbarrier waits on a thread of XLA's CPU pool, and the kernel's caller
     holds one more; a pool with fewer threads can deadlock (it did on 2 cores), which is
     said once with the setting that avoids it."""
-    if interpret and cpu_pool_threads() <= num_warpgroups:
+    threads = cpu_pool_threads()
+    if interpret and threads <= num_warpgroups:
         log_once(
             log,
-            f"Mosaic GPU interpret mode: XLA's CPU pool has {cpu_pool_threads()} threads and "
+            f"Mosaic GPU interpret mode: XLA's CPU pool has {threads} threads and "
             f"the kernel's {num_warpgroups} warpgroups and their caller block "
             f"{num_warpgroups + 1}, so it can deadlock: set PJRT_NPROC={num_warpgroups + 1} "
             "or more before jax starts",
