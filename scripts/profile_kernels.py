@@ -4,7 +4,10 @@
         python scripts/profile_kernels.py decode --heads 128 [--impl pallas|mosaic_gpu|triton]
 
 ``--impl`` picks the kernels as ``kernels.select`` does (default ``pallas``: the Mosaic GPU
-ones on an sm90 GPU, whose kernels ncu names ``anonymous_mosaic_gpu_kernel``).
+ones on an sm90 GPU, whose kernels ncu names ``anonymous_mosaic_gpu_kernel``). The Mosaic GPU
+prefill chooses its block size in a ``lax.cond``, which XLA runs as a conditional node of a
+CUDA graph, and ncu profiles no kernel of such a graph ("No kernels were profiled"): run it
+with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` (no graphs).
 
 ``--cache fp8``: the decode over the FP8 cache (``kernels.fp8``, the bf16 one quantized).
 
