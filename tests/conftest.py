@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +48,24 @@ if not any(
 # Mosaic GPU's interpreter blocks a thread of XLA's CPU pool per warpgroup (the pool has as
 # many as cores: it deadlocked on 2); before the first computation, like the flags above.
 widen_cpu_pool()
+
+# Many tests compile the same programs (engines of the tiny model, the interpreted kernels at
+# the same shapes): the test processes of one run share JAX's persistent compilation cache,
+# a folder of their own (a cached program is the one its HLO, flags and jax would compile).
+# Set before the first compilation, when jax decides whether to use the cache. Subprocesses
+# the tests start do not inherit it (their cache is their test's to check).
+_RUNS = os.path.join(tempfile.gettempdir(), "mla_jax_tests")
+SHARED_XLA_CACHE = os.path.join(
+    _RUNS, os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid()), "xla"
+)
+# Earlier runs' caches go after a day (a run's processes end within hours).
+for _old in os.listdir(_RUNS) if os.path.isdir(_RUNS) else []:
+    _path = os.path.join(_RUNS, _old)
+    if time.time() - os.path.getmtime(_path) > 86400:
+        shutil.rmtree(_path, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", SHARED_XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 # Pallas' Triton lowering for a GPU, run where there is none: jax 0.10 lowers there; from
 # 0.11 the lowering asks the device for its compute capability ("No supported GPU devices
