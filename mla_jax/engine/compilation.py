@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _hits = 0
@@ -57,6 +58,11 @@ def enable_cache(path: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # JAX opens its cache once, at the first compilation after a folder is set: where one was
+    # set before (JAX_COMPILATION_CACHE_DIR in the environment) and a program was compiled,
+    # it stays open there, and programs would never be found in ``path``. Closed, it opens
+    # here at the next compilation.
+    compilation_cache.reset_cache()
     return path
 
 
