@@ -64,6 +64,9 @@ for _old in os.listdir(_RUNS) if os.path.isdir(_RUNS) else []:
     if time.time() - os.path.getmtime(_path) > 86400:
         shutil.rmtree(_path, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", SHARED_XLA_CACHE)
+# The scripts run in-process (``generate.main``) keep their programs and the tiny checkpoint
+# in MLA_JAX_CACHE: the run's folder (its ``xla`` the shared cache), not ~/.cache/mla_jax.
+os.environ.setdefault("MLA_JAX_CACHE", os.path.dirname(SHARED_XLA_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
