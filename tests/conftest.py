@@ -20,6 +20,7 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
+from mla_jax.engine import compilation  # noqa: E402
 from mla_jax.kernels import KernelPlan  # noqa: E402
 from mla_jax.kernels.mosaic_gpu import widen_cpu_pool  # noqa: E402
 from mla_jax.model.config import MLAConfig, RopeConfig  # noqa: E402
@@ -50,25 +51,22 @@ if not any(
 widen_cpu_pool()
 
 # Many tests compile the same programs (engines of the tiny model, the interpreted kernels at
-# the same shapes): the test processes of one run share JAX's persistent compilation cache,
-# a folder of their own (a cached program is the one its HLO, flags and jax would compile).
-# Set before the first compilation, when jax decides whether to use the cache. Subprocesses
-# the tests start do not inherit it (their cache is their test's to check).
+# the same shapes): the test processes of one run share JAX's persistent compilation cache in
+# a folder of the run's, MLA_JAX_CACHE (unless set), so that the scripts run in-process and
+# the subprocesses that keep it keep their programs and the tiny checkpoint there too, not in
+# ~/.cache/mla_jax (tests that check a cache give their subprocess a folder of its own). A
+# cached program is the one its HLO, flags and jax would compile.
 _RUNS = os.path.join(tempfile.gettempdir(), "mla_jax_tests")
-SHARED_XLA_CACHE = os.path.join(
-    _RUNS, os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid()), "xla"
-)
-# Earlier runs' caches go after a day (a run's processes end within hours).
+# Earlier runs' folders go after a day (a run's processes end within hours).
 for _old in os.listdir(_RUNS) if os.path.isdir(_RUNS) else []:
     _path = os.path.join(_RUNS, _old)
     if time.time() - os.path.getmtime(_path) > 86400:
         shutil.rmtree(_path, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", SHARED_XLA_CACHE)
-# The scripts run in-process (``generate.main``) keep their programs and the tiny checkpoint
-# in MLA_JAX_CACHE: the run's folder (its ``xla`` the shared cache), not ~/.cache/mla_jax.
-os.environ.setdefault("MLA_JAX_CACHE", os.path.dirname(SHARED_XLA_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+os.environ.setdefault(
+    "MLA_JAX_CACHE",
+    os.path.join(_RUNS, os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())),
+)
+SHARED_XLA_CACHE = compilation.enable_cache()
 
 # Pallas' Triton lowering for a GPU, run where there is none: jax 0.10 lowers there; from
 # 0.11 the lowering asks the device for its compute capability ("No supported GPU devices
