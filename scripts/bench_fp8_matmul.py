@@ -15,6 +15,11 @@ kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
+``--sweep split_k``: bf16 projections of DeepSeek-V2-Lite and V3 at decode rows (16, 64) as
+one matmul and as K split into 2-16 slices (``layers.split_k_dot``), each weight a layer of a
+stacked ``[layers, K, N]`` array as the decode step reads it, beside the copy bandwidth:
+the measurement behind ``layers.k_splits`` (``benchmarks/tuning/split_k_sweep.json``).
+
 ``--smoke``: V3's layer shrunk (hidden 32, 16 experts of width 24) and small projections, few
 tokens, on the CPU, results under --out only.
 """
@@ -27,13 +32,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import jsonable, parse_args, parser, row, save, time_us
+from benchlib import copy_bandwidth, jsonable, parse_args, parser, row, run, save, sweep, time_us
 from flax import nnx
 
 from mla_jax import kernels
+from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.model.config import MoEConfig, moe_preset
-from mla_jax.model.layers import Linear
+from mla_jax.model.layers import Linear, k_splits, split_k_dot
 from mla_jax.model.moe import MoE
 
 V3 = moe_preset("deepseek-v3")
@@ -74,6 +80,25 @@ SMOKE = Sizes(
     blocks=(16, 16),
     projection_tokens=(1, 300),
 )
+
+# ``--sweep split_k``: the dense bf16 projections of a decode step, name -> (K, N).
+SPLIT_K_SHAPES = {
+    "V2-Lite q_proj": (2048, 16 * 192),
+    "V2-Lite kv_a_proj_with_mqa": (2048, 576),
+    "V2-Lite o_proj": (16 * 128, 2048),
+    "V2-Lite gate_proj": (2048, 10944),
+    "V2-Lite down_proj": (10944, 2048),
+    "V3 q_a_proj": (7168, 1536),
+    "V3 q_b_proj": (1536, 128 * 192),
+    "V3 kv_a_proj_with_mqa": (7168, 576),
+    "V3 o_proj": (128 * 128, 7168),
+    "V3 gate_proj": (7168, 18432),
+    "V3 down_proj": (18432, 7168),
+    "V3 shared experts' gate_proj": (7168, 2048),
+}
+SPLIT_K_SMOKE_SHAPES = {"small": (512, 64)}
+SPLIT_K_ROWS = (16, 64)
+SPLIT_K_SLICES = (1, 2, 4, 8, 16)
 
 
 def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
@@ -178,8 +203,53 @@ def _row(name: str, tokens: int, r: dict) -> dict:
     return row(cells, **timings)
 
 
+def split_k_trials(shapes: dict, bandwidth_gbs: float) -> list:
+    """``(info, variant, measure)`` per projection, row count and slice count."""
+    options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+    trials = []
+    for name, (k, n) in shapes.items():
+        for rows in SPLIT_K_ROWS:
+            for splits in SPLIT_K_SLICES:
+                if k % splits or (k // splits) % 64:
+                    continue
+                info = dict(projection=name, k=k, n=n, rows=rows, policy=k_splits(rows, k, n))
+                case = functools.partial(_split_k_case, k, n, rows, splits, options, bandwidth_gbs)
+                trials.append((info, f"{splits} slices", case))
+    return trials
+
+
+def _split_k_case(k, n, rows, splits, options, bandwidth_gbs) -> dict:
+    """One trial: a layer of three rotating ``[2, k, n]`` stacks times ``[rows, k]``."""
+    stacks = [jax.random.normal(jax.random.key(i), (2, k, n), jnp.bfloat16) for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (rows, k), jnp.bfloat16)
+
+    def product(x, stack):
+        return split_k_dot(x, stack[1], splits) if splits > 1 else jnp.dot(x, stack[1])
+
+    f = jax.jit(product).lower(x, stacks[0]).compile(compiler_options=options)
+    want = jnp.dot(x.astype(jnp.float32), stacks[0][1].astype(jnp.float32), precision="highest")
+    got = f(x, stacks[0]).astype(jnp.float32)
+    error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    t = time_us(f, [(x, stack) for stack in stacks])
+    return {
+        "slices": splits,
+        "us": t,
+        "of_copy_bandwidth": 2 * k * n / t.us / 1e3 / bandwidth_gbs,
+        "rel_err": error,
+    }
+
+
 def main():
-    args = parse_args(parser(__doc__))
+    args = parse_args(parser(__doc__, sweeps=("split_k",)))
+    run(args, functools.partial(tables, args), {"split_k": functools.partial(split_k, args)})
+
+
+def split_k(args) -> None:
+    shapes = SPLIT_K_SMOKE_SHAPES if args.smoke else SPLIT_K_SHAPES
+    sweep("split_k", split_k_trials(shapes, copy_bandwidth().gbs), args.out)
+
+
+def tables(args) -> None:
     sizes = SMOKE if args.smoke else FULL
     rows = projection_rows(sizes) + moe_rows(sizes)
     save(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +23,54 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (self.weight[...] * y.astype(x.dtype)).astype(x.dtype)
+
+
+# Skinny projections split along K (decode steps on a GPU). cuBLAS runs a matmul of few rows
+# and few output columns on few of the GPU's multiprocessors: at 16 rows DeepSeek-V3's
+# kv_a_proj_with_mqa [7168, 576] took 11.7 us (17% of the copy bandwidth) and q_a_proj
+# [7168, 1536] 12.2 us; as 16 slices of K, batched, and the float32 parts summed, 4.9 and
+# 8.8 us (H200, 2026-11-27, ``bench_fp8_matmul.py --sweep split_k``,
+# ``benchmarks/tuning/split_k_sweep.json``). Wider outputs fill the GPU already and lose
+# to the extra pass (V3's q_b_proj [1536, 24576]: 19.6 -> 22.5 us at 2 slices).
+SPLIT_K_MAX_OUT = (16, 2048), (64, 1536)  # (rows up to, widest output that splits there)
+SPLIT_K_MIN_SLICE = 256  # K of a slice: no thinner
+SPLIT_K_MAX_SLICES = 16
+
+
+def k_splits(rows: int, n_in: int, n_out: int) -> int:
+    """How many slices of K a GPU runs a 2-byte projection ``[rows, n_in] @ [n_in, n_out]``
+    as (1: one matmul): the most, a power of two up to ``SPLIT_K_MAX_SLICES``, that leave
+    slices of at least ``SPLIT_K_MIN_SLICE`` rows of the weight (a multiple of 64), for up
+    to 64 rows and outputs no wider than ``SPLIT_K_MAX_OUT`` allows at that many rows."""
+    widest = next((out for most, out in SPLIT_K_MAX_OUT if rows <= most), 0)
+    if n_out > widest:
+        return 1
+    splits = SPLIT_K_MAX_SLICES
+    while splits > 1:
+        width = n_in // splits
+        if n_in % splits == 0 and width >= SPLIT_K_MIN_SLICE and width % 64 == 0:
+            return splits
+        splits //= 2
+    return 1
+
+
+def split_k_dot(x: jax.Array, kernel: jax.Array, splits: int, precision=None) -> jax.Array:
+    """``x [M, K] @ kernel [K, N]`` as ``splits`` products of K slices (one batched matmul),
+    their float32 parts summed, cast to x's dtype; ``K % splits == 0``."""
+    m, k = x.shape
+    parts = jnp.einsum(
+        "msk,skn->smn",
+        x.reshape(m, splits, k // splits),
+        kernel.reshape(splits, k // splits, kernel.shape[-1]),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return parts.sum(axis=0).astype(x.dtype)
+
+
+def _splits_k_here() -> bool:
+    """Whether projections split along K (``k_splits``): on GPUs, where the rule was measured."""
+    return jax.default_backend() == "gpu"
 
 
 def matmul_precision(dtype) -> jax.lax.Precision | None:
@@ -58,12 +108,20 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, impl: str | kernels.KernelSet = "auto") -> jax.Array:
         """``x [..., n_in]`` -> ``[..., n_out]`` in ``param_dtype``; ``impl``
-        (``kernels.select``) picks the FP8 matmul."""
+        (``kernels.select``) picks the FP8 matmul. On a GPU a bf16 projection of few rows
+        and a narrow output runs split along K (``k_splits``)."""
         x = x.astype(self.dtype)
         if self.blocks is None:
-            dims = (((x.ndim - 1,), (0,)), ((), ()))
             kernel = self.kernel[...]
-            return jax.lax.dot_general(x, kernel, dims, precision=matmul_precision(self.dtype))
+            precision = matmul_precision(self.dtype)
+            rows = math.prod(x.shape[:-1])
+            two_bytes = jnp.dtype(self.dtype).itemsize == 2
+            splits = k_splits(rows, *kernel.shape) if two_bytes and _splits_k_here() else 1
+            if splits > 1:
+                y = split_k_dot(x.reshape(rows, -1), kernel, splits, precision)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+            dims = (((x.ndim - 1,), (0,)), ((), ()))
+            return jax.lax.dot_general(x, kernel, dims, precision=precision)
         rows = x.reshape(-1, x.shape[-1])
         y = kernels.select(impl).fp8_matmul(
             rows, self.kernel[...], self.kernel_scale_inv[...], blocks=self.blocks
