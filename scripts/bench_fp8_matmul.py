@@ -88,12 +88,7 @@ SPLIT_K_SHAPES = {
     "V2-Lite o_proj": (16 * 128, 2048),
     "V2-Lite gate_proj": (2048, 10944),
     "V2-Lite down_proj": (10944, 2048),
-    "V3 q_a_proj": (7168, 1536),
-    "V3 q_b_proj": (1536, 128 * 192),
-    "V3 kv_a_proj_with_mqa": (7168, 576),
-    "V3 o_proj": (128 * 128, 7168),
-    "V3 gate_proj": (7168, 18432),
-    "V3 down_proj": (18432, 7168),
+    **{f"V3 {name.removeprefix('mlp.')}": shape for name, shape in FULL.projections.items()},
     "V3 shared experts' gate_proj": (7168, 2048),
 }
 SPLIT_K_SMOKE_SHAPES = {"small": (512, 64)}
