@@ -1,5 +1,5 @@
 """Split-K projections under tensor parallelism (``split_k_devices.py``, a fresh process on 4
-fake CPU devices): the same collectives as the whole matmul, and its values."""
+fake CPU devices): the same collectives as the whole matmul, and the float64 product."""
 
 from __future__ import annotations
 
@@ -39,6 +39,5 @@ def test_split_adds_no_collective(compiled, name):
     assert r["split"] == r["whole"], r
     # Rows-split weights reduce their parts across devices; column-split ones do not.
     assert r["whole"]["all-reduce"] == (1 if "'tp', None" in r["weight_spec"] else 0), r
-    # bf16 outputs of the same sums in another order (fixed inputs: measured 1.5e-5 for
-    # o_proj, 6.5e-8 for the gate).
-    assert r["rel_diff"] < 1e-4, r
+    # Against float64: the bf16 output's rounding (one device: up to 1.7e-3, test_layers).
+    assert r["split_error"] < 3e-3, r
