@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +77,24 @@ triton_lowering_without_gpu = pytest.mark.skipif(
     or tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11),
     reason="Pallas' Triton lowering needs a GPU from jax 0.11 (on one, the kernels compile)",
 )
+
+
+def run_on_fake_devices(script: str, *args, devices: int) -> subprocess.CompletedProcess:
+    """Runs ``script`` (a path under tests/) with ``args`` in a fresh Python process on
+    ``devices`` fake CPU devices (the device count is fixed when JAX is imported), with the
+    repository and tests/ importable; the child's crash prints its Python stack to stderr."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-X", "faulthandler", os.path.join(TESTS, script), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def generate_script():

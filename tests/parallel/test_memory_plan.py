@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, TESTS
+from conftest import ROOT, TESTS, run_on_fake_devices
 
 from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
 from mla_jax.checkpoint.hf_config import config_from_dict, load_config
@@ -65,18 +63,8 @@ def materialized(tmp_path_factory):
         config=SMALL, layouts=LAYOUTS, block_size=BLOCK_SIZE, tokens_per_rank=TOKENS_PER_RANK
     )
     (root / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-    )
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
-    script = os.path.join(TESTS, "parallel", "memory_plan_devices.py")
-    done = subprocess.run(
-        [sys.executable, script, root / "job.json", root / "out"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_on_fake_devices(
+        "parallel/memory_plan_devices.py", root / "job.json", root / "out", devices=DEVICES
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((root / "out").read_text())

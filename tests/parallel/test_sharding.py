@@ -22,12 +22,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import _BASE_SEED, ROOT, TESTS, generate_script
+from conftest import _BASE_SEED, TESTS, generate_script, run_on_fake_devices
 
 from mla_jax.engine.engine import EngineConfig
 from mla_jax.parallel import sharding
@@ -143,20 +141,8 @@ def multi_device(tmp_path_factory):
         checkpoint="v3", flags=FLAGS, waves=prefix_waves, data_parallel=2, tensor_parallel=2
     )
     (root / "job.json").write_text(json.dumps(job))
-    tests = os.path.dirname(__file__)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-    )
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
-    # faulthandler: a crash of the child (a signal) prints its Python stack to stderr.
-    script = os.path.join(tests, "multi_device.py")
-    done = subprocess.run(
-        [sys.executable, "-X", "faulthandler", script, root / "job.json", root / "out"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_on_fake_devices(
+        "parallel/multi_device.py", root / "job.json", root / "out", devices=DEVICES
     )
     if done.returncode < 0:
         signal_name = signal.Signals(-done.returncode).name

@@ -4,12 +4,9 @@ fake CPU devices): the same collectives as the whole matmul, and the float64 pro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, TESTS
+from conftest import run_on_fake_devices
 
 DEVICES = 4
 
@@ -17,15 +14,7 @@ DEVICES = 4
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("split_k") / "out.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-    )
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
-    script = os.path.join(TESTS, "parallel", "split_k_devices.py")
-    done = subprocess.run(
-        [sys.executable, script, out], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = run_on_fake_devices("parallel/split_k_devices.py", out, devices=DEVICES)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["devices"] == DEVICES
