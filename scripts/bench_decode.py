@@ -400,7 +400,7 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
 
 
 # Compile options of the Mosaic GPU kernel, each on top of the defaults.
-MOSAIC_SWEEP = [{}, dict(auto_barriers=True), dict(approx_math=False)]
+MOSAIC_SWEEP = [{}, dict(lazy_rescale=False), dict(auto_barriers=True), dict(approx_math=False)]
 
 
 def _mosaic_trials(rng, sizes: Sizes) -> list:

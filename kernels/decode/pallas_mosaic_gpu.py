@@ -18,7 +18,10 @@ items (``schedule_splits``) page by page with two warpgroups, each owning half o
   ``P @ kv_c[:, half]`` of both chunks. Warpgroup 1 issues its scores before waiting for
   warpgroup 0's probabilities and runs its softmax while the first product is in flight
   (FlashMLA's "seesaw"); 32-token chunks keep the scores, probabilities and masks at 16
-  registers each beside the 128 of the accumulator.
+  registers each beside the 128 of the accumulator;
+* lazy rescaling (FlashAttention-4's): a row's maximum moves only when a score exceeds it
+  by ``RESCALE_SLACK``, and a chunk that moved none leaves the accumulator unscaled (the
+  owner publishes whether it did beside the maximum).
 
 An item's first page may start before it (items start anywhere) and its last may end after
 it: those keys are masked, and the value rows past the item's end are zeroed in shared
@@ -65,6 +68,12 @@ SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
 # bf16 tiles they are dequantized into.
 FP8_SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(32))
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
+# Lazy rescaling (FlashAttention-4's): a row keeps the maximum its probabilities are taken
+# against until a score exceeds it by this much (log2 units), so that probabilities reach
+# 2^8 at most (exact in bf16's relative precision; float32 sums), and a chunk in which no
+# row's maximum moved leaves the accumulator as it is instead of multiplying its 128
+# registers a thread by 1.
+RESCALE_SLACK = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +83,14 @@ class MosaicDecodeConfig:
     approx_math: exp2 through the special-function unit (``ex2.approx``), as FlashMLA.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
+    lazy_rescale: rows keep their maximum until a score exceeds it by ``RESCALE_SLACK``
+      and the accumulator is rescaled only after a chunk that moved one (off: the exact
+      online softmax, a rescale every chunk).
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
+    lazy_rescale: bool = True
 
 
 def padded_heads(num_heads: int) -> int:
@@ -303,6 +316,8 @@ def _decode_call(
             plgpu.SMEM((NUM_SLOTS, NUM_WARPGROUPS, BLOCK_H, CHUNK), bf16, transforms=swizzled),
         ),
         m_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
+        # Whether a chunk moved a row's maximum (1.0) or not (0.0), beside its maximum.
+        moved_smem=plgpu.SMEM((NUM_WARPGROUPS,), jnp.float32),
         l_smem=plgpu.SMEM((2, NUM_WARPGROUPS, BLOCK_H), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),  # two copies a page
         kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # warpgroup 1 -> 0
@@ -316,6 +331,7 @@ def _decode_call(
         functools.partial(
             _kernel,
             scale=scale,
+            lazy_rescale=config.lazy_rescale,
             interpret=bool(interpret),
         ),
         out_type=(
@@ -359,6 +375,7 @@ def _kernel(
     kv_smem,
     pe_or_probs,
     m_smem,
+    moved_smem,
     l_smem,
     kv_ready,
     kv_free,
@@ -367,6 +384,7 @@ def _kernel(
     q_free,
     l_ready,
     scale,
+    lazy_rescale,
     interpret,
     fp8_smem=None,
     dq_ready=None,
@@ -388,12 +406,20 @@ def _kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     log2_scale = scale * math.log2(math.e)
 
-    def accumulate(acc, alpha, a_ref, b_ref, during=lambda: None):
+    def accumulate(acc, alpha, moved, a_ref, b_ref, during=lambda: None):
         """``acc * alpha[:, None] + a_ref @ b_ref`` with ``during()`` run while the wgmma is
-        in flight; returns the sum and what ``during`` returned. Interpret mode cannot load
-        a value into a wgmma accumulator, so there the product starts from zero and is added
-        after (the same arithmetic in a different order)."""
-        scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        in flight; returns the sum and what ``during`` returned. Where ``moved`` (a scalar,
+        the same on every thread; None without lazy rescaling) is 0, no row's maximum moved
+        (``alpha`` is all 1) and the multiply is skipped. Interpret mode cannot load a value
+        into a wgmma accumulator, so there the product starts from zero and is added after
+        (the same arithmetic in a different order)."""
+
+        def rescale(acc):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        scaled = (
+            lax.cond(moved > 0, rescale, lambda acc: acc, acc) if lazy_rescale else rescale(acc)
+        )
 
         def scope(acc_ref):
             if not interpret:
@@ -546,8 +572,8 @@ def _kernel(
 
             def own_chunk(slot, k, s, m_prev, l):
                 """The owner's part of chunk ``w`` of page ``k`` (raw scores ``s``): mask,
-                online softmax, publish the probabilities and the new maximum. Returns
-                (m_new, l_new, alpha)."""
+                online softmax, publish the probabilities, the new maximum and whether it
+                moved. Returns (m_new, l_new, alpha, moved)."""
                 first_token = (first_page + k) * PAGE + w * CHUNK
 
                 def mask(s):
@@ -561,7 +587,18 @@ def _kernel(
                 # registers are needed in that branch alone.
                 boundary = (first_token < start) | (first_token + CHUNK > end)
                 s = lax.cond(boundary, mask, lambda s: s, s)
-                m_new = jnp.maximum(m_prev, s.max(axis=1) * log2_scale)
+                row_max = s.max(axis=1) * log2_scale
+                if lazy_rescale:
+                    # (-inf stays -inf: a row with no key yet moves at its first key.)
+                    m_new = jnp.where(row_max > m_prev + RESCALE_SLACK, row_max, m_prev)
+                    # The reduction over rows goes through Mosaic GPU's one scratch buffer:
+                    # the warpgroups' own_chunk calls never overlap (each waits for the
+                    # other's probabilities first).
+                    moved = jnp.where(m_new != m_prev, 1.0, 0.0).max()
+                    moved_smem[w] = moved
+                else:
+                    m_new = jnp.maximum(m_prev, row_max)
+                    moved = None  # (rescaled every chunk)
                 probs = jnp.exp2(
                     s * log2_scale - lax.broadcast_in_dim(_finite(m_new), s.shape, [0])
                 )
@@ -571,16 +608,17 @@ def _kernel(
                 m_smem[w] = m_new
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[w])
-                return m_new, l, alpha
+                return m_new, l, alpha, moved
 
             def values(latent, c):
                 return latent.at[pl.ds(c * CHUNK, CHUNK), half]
 
             def other_probs(c):
                 """Waits for chunk ``c``'s probabilities (from the other warpgroup) and
-                returns its row maximum."""
+                returns its row maximum and whether it moved."""
                 plgpu.barrier_wait(p_ready.at[c])
-                return plgpu.layout_cast(m_smem[c], row_layout)
+                moved = moved_smem[c] if lazy_rescale else None
+                return plgpu.layout_cast(m_smem[c], row_layout), moved
 
             # Where warpgroup 0 refills a slot: over an FP8 cache, while the next page's
             # scores are in flight (it would otherwise wait for warpgroup 1 between its last
@@ -617,12 +655,17 @@ def _kernel(
                         s, _ = scores(slot, latent, 0)
                     if not quantized:  # (dequantize zeroes them)
                         pl.when(last_page_cut(k))(functools.partial(zero_past_end, slot, k))
-                    m0, l, alpha0 = own_chunk(slot, k, s, m, l)
-                    acc, m1 = accumulate(
-                        acc, alpha0, p_smem.at[slot, 0], values(latent, 0), lambda: other_probs(1)
+                    m0, l, alpha0, moved0 = own_chunk(slot, k, s, m, l)
+                    acc, (m1, moved1) = accumulate(
+                        acc,
+                        alpha0,
+                        moved0,
+                        p_smem.at[slot, 0],
+                        values(latent, 0),
+                        lambda: other_probs(1),
                     )
                     alpha1 = _rescale(m0, m1)
-                    acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
+                    acc, _ = accumulate(acc, alpha1, moved1, p_smem.at[slot, 1], values(latent, 1))
                     if not refill_early:
                         plgpu.barrier_wait(kv_free.at[slot])
                         pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))
@@ -630,16 +673,17 @@ def _kernel(
 
                 # Chunk 1 is ours: its scores run while chunk 0's softmax finishes on
                 # warpgroup 0; our softmax runs while chunk 0's product is in flight.
-                s, m0 = scores(slot, latent, 1, lambda: other_probs(0))
+                s, (m0, moved0) = scores(slot, latent, 1, lambda: other_probs(0))
                 alpha0 = _rescale(m, m0)
-                acc, (m1, l, alpha1) = accumulate(
+                acc, (m1, l, alpha1, moved1) = accumulate(
                     acc,
                     alpha0,
+                    moved0,
                     p_smem.at[slot, 0],
                     values(latent, 0),
                     lambda: own_chunk(slot, k, s, m0, l * alpha0),
                 )
-                acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
+                acc, _ = accumulate(acc, alpha1, moved1, p_smem.at[slot, 1], values(latent, 1))
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m1, l, scales
 

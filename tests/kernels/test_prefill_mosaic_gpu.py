@@ -127,6 +127,22 @@ def test_consumers_without_turns(rng):
     _run(rng, [150, 3], [200, 0], causal=True, n=2, dqk=64, dv=64, config=config)
 
 
+@pytest.mark.parametrize("lazy_rescale", [True, False])
+def test_row_maxima_jumping_mid_sequence(rng, lazy_rescale):
+    """Keys from key 150 on scaled by 4, so that the row maxima jump past
+    ``RESCALE_SLACK`` in the 64-key block holding it while the blocks before and after move
+    none: the lazily rescaled accumulator (and the exact one) against float64."""
+    q, k, v, cu_q, cu_k = _inputs(rng, [448], [448], n=1)
+    k[150:448] *= 4
+    # The running row maxima (log2 units) of the last 64 query rows at each block's end.
+    scores = q[384:448, 0] @ k[:448, 0].T * SCALE * np.log2(np.e)
+    running = np.maximum.accumulate(scores, axis=1)[:, 63::64]
+    jumps = np.diff(running, axis=1).max(axis=0) > mosaic.RESCALE_SLACK
+    assert jumps[1] and not jumps[0] and not jumps[2:].all(), jumps  # (block 2 against 1)
+    config = mosaic.MosaicPrefillConfig(lazy_rescale=lazy_rescale)
+    _check((q, k, v, cu_q, cu_k), causal=True, config=config)
+
+
 def test_block_k_128(rng):
     """128-key blocks in two stages (the diagonal block masked in both halves)."""
     config = mosaic.MosaicPrefillConfig(block_k=128, num_stages=2, p_in_registers=False)
@@ -246,6 +262,8 @@ def test_bad_inputs_are_refused_like_triton():
         mosaic.flash_prefill(q, q, q, jnp.array([0, 30], jnp.int32), cu, scale=1.0, causal=True)
     with pytest.raises(ValueError, match="block_k must be 64, 128 or None"):
         mosaic.MosaicPrefillConfig(block_k=32)
+    with pytest.raises(ValueError, match="lazy_rescale needs schedule_barrier"):
+        mosaic.MosaicPrefillConfig(lazy_rescale=True, schedule_barrier=False)
     with pytest.raises(ValueError, match="needs producer_warpgroup"):
         mosaic.MosaicPrefillConfig(schedule_barrier=True, producer_warpgroup=False)
 
