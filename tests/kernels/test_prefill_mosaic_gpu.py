@@ -130,8 +130,8 @@ def test_consumers_without_turns(rng):
 @pytest.mark.parametrize("lazy_rescale", [True, False])
 def test_row_maxima_jumping_mid_sequence(rng, lazy_rescale):
     """Keys from key 150 on scaled by 4, so that the row maxima jump past
-    ``RESCALE_SLACK`` in the 64-key block holding it while the blocks before and after move
-    none: the lazily rescaled accumulator (and the exact one) against float64."""
+    ``RESCALE_SLACK`` in the 64-key block holding it while the block before and some after
+    move none: the lazily rescaled accumulator (and the exact one) against float64."""
     q, k, v, cu_q, cu_k = _inputs(rng, [448], [448], n=1)
     k[150:448] *= 4
     # The running row maxima (log2 units) of the last 64 query rows at each block's end.
