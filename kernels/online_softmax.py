@@ -17,6 +17,38 @@ from jax import lax
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Lazy rescaling (FlashAttention-4's; the Mosaic GPU kernels' ``lazy_rescale``): a row keeps
+# the maximum its probabilities are taken against until a score exceeds it by this much
+# (log2 units), so that probabilities reach 2^8 at most (exact in bf16's relative
+# precision; float32 sums), and a step in which no row's maximum moved leaves the
+# accumulator as it is instead of multiplying it by 1.
+RESCALE_SLACK = 8.0
+
+
+def lazy_maximum(m_prev: jax.Array, row_max: jax.Array) -> jax.Array:
+    """The rows' new maxima under lazy rescaling: ``row_max`` where it exceeds ``m_prev`` by
+    more than ``RESCALE_SLACK``, else ``m_prev`` (-inf stays -inf; a row with no key yet
+    moves at its first key)."""
+    return jnp.where(row_max > m_prev + RESCALE_SLACK, row_max, m_prev)
+
+
+def any_moved(m_new: jax.Array, m_prev: jax.Array) -> jax.Array:
+    """1.0 where some row's maximum moved, else 0.0: a scalar, the same on every thread of
+    a Mosaic GPU warpgroup (a reduction over the rows, through Mosaic GPU's one scratch
+    buffer: its callers keep two warpgroups from reducing at once)."""
+    return jnp.where(m_new != m_prev, 1.0, 0.0).max()
+
+
+def rescale(acc: jax.Array, alpha: jax.Array, moved: jax.Array | None) -> jax.Array:
+    """``acc * alpha[:, None]``, skipped where ``moved`` (``any_moved``'s flag) is 0, when
+    ``alpha`` is all 1; ``moved=None`` rescales always (the exact online softmax)."""
+
+    def scaled(acc):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    if moved is None:
+        return scaled(acc)
+    return lax.cond(moved > 0, scaled, lambda acc: acc, acc)
 
 
 def interpret_default() -> bool:

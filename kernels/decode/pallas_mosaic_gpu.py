@@ -20,8 +20,8 @@ items (``schedule_splits``) page by page with two warpgroups, each owning half o
   (FlashMLA's "seesaw"); 32-token chunks keep the scores, probabilities and masks at 16
   registers each beside the 128 of the accumulator;
 * lazy rescaling (FlashAttention-4's): a row's maximum moves only when a score exceeds it
-  by ``RESCALE_SLACK``, and a chunk that moved none leaves the accumulator unscaled (the
-  owner publishes whether it did beside the maximum).
+  by ``online_softmax.RESCALE_SLACK``, and a chunk that moved none leaves the accumulator
+  unscaled (the owner publishes whether it did beside the maximum).
 
 An item's first page may start before it (items start anywhere) and its last may end after
 it: those keys are masked, and the value rows past the item's end are zeroed in shared
@@ -68,12 +68,6 @@ SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
 # bf16 tiles they are dequantized into.
 FP8_SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(32))
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
-# Lazy rescaling (FlashAttention-4's): a row keeps the maximum its probabilities are taken
-# against until a score exceeds it by this much (log2 units), so that probabilities reach
-# 2^8 at most (exact in bf16's relative precision; float32 sums), and a chunk in which no
-# row's maximum moved leaves the accumulator as it is instead of multiplying its 128
-# registers a thread by 1.
-RESCALE_SLACK = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +77,10 @@ class MosaicDecodeConfig:
     approx_math: exp2 through the special-function unit (``ex2.approx``), as FlashMLA.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
-    lazy_rescale: rows keep their maximum until a score exceeds it by ``RESCALE_SLACK``
-      and the accumulator is rescaled only after a chunk that moved one (off: the exact
-      online softmax, a rescale every chunk).
+    lazy_rescale: rows keep their maximum until a score exceeds it by
+      ``online_softmax.RESCALE_SLACK`` and the accumulator (128 registers a thread) is
+      rescaled only after a chunk that moved one (off: the exact online softmax, a rescale
+      every chunk).
     """
 
     approx_math: bool = True
@@ -413,13 +408,7 @@ def _kernel(
         (``alpha`` is all 1) and the multiply is skipped. Interpret mode cannot load a value
         into a wgmma accumulator, so there the product starts from zero and is added after
         (the same arithmetic in a different order)."""
-
-        def rescale(acc):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        scaled = (
-            lax.cond(moved > 0, rescale, lambda acc: acc, acc) if lazy_rescale else rescale(acc)
-        )
+        scaled = online_softmax.rescale(acc, alpha, moved)
 
         def scope(acc_ref):
             if not interpret:
@@ -589,12 +578,10 @@ def _kernel(
                 s = lax.cond(boundary, mask, lambda s: s, s)
                 row_max = s.max(axis=1) * log2_scale
                 if lazy_rescale:
-                    # (-inf stays -inf: a row with no key yet moves at its first key.)
-                    m_new = jnp.where(row_max > m_prev + RESCALE_SLACK, row_max, m_prev)
-                    # The reduction over rows goes through Mosaic GPU's one scratch buffer:
-                    # the warpgroups' own_chunk calls never overlap (each waits for the
-                    # other's probabilities first).
-                    moved = jnp.where(m_new != m_prev, 1.0, 0.0).max()
+                    m_new = online_softmax.lazy_maximum(m_prev, row_max)
+                    # The warpgroups' own_chunk calls never overlap (each waits for the
+                    # other's probabilities first): one reduces at a time.
+                    moved = online_softmax.any_moved(m_new, m_prev)
                     moved_smem[w] = moved
                 else:
                     m_new = jnp.maximum(m_prev, row_max)

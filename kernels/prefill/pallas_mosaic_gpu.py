@@ -74,11 +74,6 @@ MAX_STAGES = 4  # key/value slots the kernel chooses at most (five do not fit at
 # on long tiles; a block's fixed costs and masked edges weigh more on short ones (figures
 # in MOSAIC_GPU.md).
 LONG_TILE_KEYS = 1024
-# Lazy rescaling (FlashAttention-4's): a row keeps the maximum its probabilities are taken
-# against until a score exceeds it by this much (log2 units; probabilities reach 2^8 at
-# most, exact in bf16's relative precision), and a block in which no row's maximum moved
-# leaves the accumulator as it is instead of multiplying it by 1.
-RESCALE_SLACK = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +96,11 @@ class MosaicPrefillConfig:
     approx_math: exp2, log and reciprocals through the special-function unit.
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory access
       (off: the kernel orders its stores itself, through mbarriers and commit_smem).
-    lazy_rescale: rows keep their maximum until a score exceeds it by ``RESCALE_SLACK``
-      and the accumulator is rescaled only after a block that moved one (off: the exact
-      online softmax). Off by default: on an H200 it gained 1.4% at 1 x 4096 (128 heads)
-      and lost 1-2.5% on 1 x 1024 and the ragged batch (MOSAIC_GPU.md). With
+    lazy_rescale: rows keep their maximum until a score exceeds it by
+      ``online_softmax.RESCALE_SLACK`` and the accumulator is rescaled only after a block
+      that moved one (off: the exact online softmax). Off by default: on an H200 it gained
+      1.4% at 1 x 4096 (128 heads) and lost 1-2.5% on 1 x 1024 and the ragged batch
+      (MOSAIC_GPU.md). With
       ``schedule_barrier`` only: whether a block moved a row is a reduction over the
       consumer's rows through Mosaic GPU's one scratch buffer, which the turns keep the two
       consumers from using at once.
@@ -630,14 +626,7 @@ def _kernel(
             all 1) and the multiply is skipped. Interpret mode cannot load a value into a
             wgmma accumulator, so there the product starts from zero and is added after (the
             same arithmetic in a different order)."""
-
-            def rescale(acc):
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            if lazy_rescale:
-                scaled = lax.cond(moved > 0, rescale, lambda acc: acc, acc)
-            else:
-                scaled = rescale(acc)
+            scaled = online_softmax.rescale(acc, alpha, moved)
 
             def scope(acc_ref):
                 if not interpret:
@@ -681,15 +670,14 @@ def _kernel(
                 s = jnp.where(keep, s, -jnp.inf)
             row_max = s.max(axis=1) * log2_scale
             if lazy_rescale:
-                # (-inf stays -inf: a row with no key yet moves at its first key.)
-                m_new = jnp.where(row_max > m + RESCALE_SLACK, row_max, m)
+                m_new = online_softmax.lazy_maximum(m, row_max)
             else:
                 m_new = jnp.maximum(m, row_max)
             if masked:
                 # A row with no key yet keeps m = -inf: subtract 0 instead (no -inf - -inf).
                 m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             # Reduced over the rows inside the turn (see MosaicPrefillConfig.lazy_rescale).
-            moved = jnp.where(m_new != m, 1.0, 0.0).max() if lazy_rescale else None
+            moved = online_softmax.any_moved(m_new, m) if lazy_rescale else None
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = jnp.exp2(m - m_new)
             l = l * alpha + p.sum(axis=1)

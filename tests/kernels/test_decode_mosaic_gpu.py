@@ -36,7 +36,7 @@ import test_decode_kernel as bf16_tests
 import test_fp8_cache as fp8_tests
 from conftest import rel_err
 
-from mla_jax.kernels import fp8
+from mla_jax.kernels import fp8, online_softmax
 from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
 from mla_jax.kernels.decode import pallas_triton
 
@@ -130,8 +130,8 @@ def test_schedule_of_longer_lengths_truncated(rng):
 @pytest.mark.parametrize("lazy_rescale", [True, False])
 def test_row_maxima_jumping_mid_request(rng, lazy_rescale):
     """Keys from token 150 on scaled by 4, so that the row maxima jump past
-    ``RESCALE_SLACK`` there, mid-request and mid-item, while other chunks move no row past
-    it: the lazily rescaled accumulator (and the exact one) against float64."""
+    ``online_softmax.RESCALE_SLACK`` there, mid-request and mid-item, while other chunks
+    move no row past it: the lazily rescaled accumulator (and the exact one) against float64."""
     lens = [300, 190]
     q_lat, q_pe, cache, table, lens = bf16_tests._case(
         rng, lens, n=64, lkv=128, r=64, block_size=64, dtype=BF16
@@ -146,7 +146,7 @@ def test_row_maxima_jumping_mid_request(rng, lazy_rescale):
     keys = cache[table[0, :5]].reshape(-1, 192)[: lens[0]]
     scores = np.concatenate([q_lat[0], q_pe[0]], -1) @ keys.T * scale * np.log2(np.e)
     running = np.maximum.accumulate(scores, axis=1)[:, 31::32]
-    jumps = np.diff(running, axis=1).max(axis=0) > mosaic.RESCALE_SLACK
+    jumps = np.diff(running, axis=1).max(axis=0) > online_softmax.RESCALE_SLACK
     first = 150 // 32 - 1  # (chunk i + 1 against chunk i)
     assert jumps[first] and not jumps.all(), jumps
     config = mosaic.MosaicDecodeConfig(lazy_rescale=lazy_rescale)

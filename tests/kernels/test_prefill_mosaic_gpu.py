@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import test_prefill_kernel as prefill_tests
 
-from mla_jax.kernels import prefill
+from mla_jax.kernels import online_softmax, prefill
 from mla_jax.kernels.prefill import pallas_mosaic_gpu as mosaic
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -130,14 +130,15 @@ def test_consumers_without_turns(rng):
 @pytest.mark.parametrize("lazy_rescale", [True, False])
 def test_row_maxima_jumping_mid_sequence(rng, lazy_rescale):
     """Keys from key 150 on scaled by 4, so that the row maxima jump past
-    ``RESCALE_SLACK`` in the 64-key block holding it while the block before and some after
-    move none: the lazily rescaled accumulator (and the exact one) against float64."""
+    ``online_softmax.RESCALE_SLACK`` in the 64-key block holding it while the block before
+    and some after move none: the lazily rescaled accumulator (and the exact one) against
+    float64."""
     q, k, v, cu_q, cu_k = _inputs(rng, [448], [448], n=1)
     k[150:448] *= 4
     # The running row maxima (log2 units) of the last 64 query rows at each block's end.
     scores = q[384:448, 0] @ k[:448, 0].T * SCALE * np.log2(np.e)
     running = np.maximum.accumulate(scores, axis=1)[:, 63::64]
-    jumps = np.diff(running, axis=1).max(axis=0) > mosaic.RESCALE_SLACK
+    jumps = np.diff(running, axis=1).max(axis=0) > online_softmax.RESCALE_SLACK
     assert jumps[1] and not jumps[0] and not jumps[2:].all(), jumps  # (block 2 against 1)
     config = mosaic.MosaicPrefillConfig(lazy_rescale=lazy_rescale)
     _check((q, k, v, cu_q, cu_k), causal=True, config=config)
