@@ -1,5 +1,6 @@
 """What the Mosaic GPU kernels (Hopper, ``jax.experimental.pallas.mosaic_gpu``) share:
-whether this device and jax run them, and the fallbacks to Triton logged once."""
+whether this device and jax run them, the fallbacks to Triton logged once, and the
+accumulator's rescale under lazy rescaling."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import logging
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, scf, vector
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +93,46 @@ def kernel_options(config, interpret: bool, num_warpgroups: int) -> dict:
         ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
+
+
+def rescale_rows(acc: jax.Array, alpha: jax.Array, *, lazy: bool, interpret: bool) -> jax.Array:
+    """``acc * alpha[:, None]`` inside a Mosaic GPU kernel: ``acc [rows, width]`` float32 in
+    the WGMMA layout, ``alpha [rows]`` float32 in its row layout.
+
+    With ``lazy`` (lazy rescaling, where most steps leave every ``alpha`` at exactly 1),
+    compiled, each thread branches past its multiplies unless one of its own rows has
+    ``alpha != 1``: a divergent branch, which a warp skips when none of its 16 rows moved,
+    with no reduction across threads (a warpgroup-wide decision reduced the rows through a
+    shared-memory scratch and a barrier on the softmax's critical path). Interpreted
+    (Mosaic GPU's interpret mode runs no inline Mosaic GPU code) or without ``lazy``, every
+    row is multiplied: the same values."""
+
+    def multiply(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    if not lazy or interpret:
+        return multiply(acc, alpha)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA),
+    )
+    def where_moved(_, acc, alpha):
+        one = arith.constant(ir.F32Type.get(), 1.0)
+        moved = None
+        for register in alpha.registers.flat:
+            for i in range(ir.VectorType(register.type).shape[0]):
+                element = vector.extract(register, dynamic_position=[], static_position=[i])
+                differs = arith.cmpf(arith.CmpFPredicate.UNE, element, one)
+                moved = differs if moved is None else arith.ori(moved, differs)
+        branch = scf.IfOp(moved, [r.type for r in acc.registers.flat], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(list(acc.registers.flat))
+        registers = np.empty(acc.registers.shape, dtype=object)
+        registers.flat[:] = list(branch.results)
+        return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
+
+    return where_moved(acc, alpha)

@@ -21,7 +21,7 @@ LN2 = math.log(2.0)
 # the maximum its probabilities are taken against until a score exceeds it by this much
 # (log2 units), so that probabilities reach 2^8 at most (exact in bf16's relative
 # precision; float32 sums), and a step in which no row's maximum moved leaves the
-# accumulator as it is instead of multiplying it by 1.
+# accumulator as it is instead of multiplying it by 1 (``mosaic_gpu.rescale_rows``).
 RESCALE_SLACK = 8.0
 
 
@@ -32,23 +32,14 @@ def lazy_maximum(m_prev: jax.Array, row_max: jax.Array) -> jax.Array:
     return jnp.where(row_max > m_prev + RESCALE_SLACK, row_max, m_prev)
 
 
-def any_moved(m_new: jax.Array, m_prev: jax.Array) -> jax.Array:
-    """1.0 where some row's maximum moved, else 0.0: a scalar, the same on every thread of
-    a Mosaic GPU warpgroup (a reduction over the rows, through Mosaic GPU's one scratch
-    buffer: its callers keep two warpgroups from reducing at once)."""
-    return jnp.where(m_new != m_prev, 1.0, 0.0).max()
-
-
-def rescale(acc: jax.Array, alpha: jax.Array, moved: jax.Array | None) -> jax.Array:
-    """``acc * alpha[:, None]``, skipped where ``moved`` (``any_moved``'s flag) is 0, when
-    ``alpha`` is all 1; ``moved=None`` rescales always (the exact online softmax)."""
-
-    def scaled(acc):
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-    if moved is None:
-        return scaled(acc)
-    return lax.cond(moved > 0, scaled, lambda acc: acc, acc)
+def rescale_factor(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
+    """``2^(m_prev - m_new)``, the factor of what was summed under the maximum ``m_prev``
+    (log2 domain): 0 where nothing was (``m_prev = -inf``; also while ``m_new`` is still
+    -inf, which is subtracted as 0), and exactly 1 where the maximum did not move, which
+    lazy rescaling's skip tests for (exp2 through the special-function unit does not
+    promise ``2^0 == 1``)."""
+    finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return jnp.where(m_new == m_prev, 1.0, jnp.exp2(m_prev - finite))
 
 
 def interpret_default() -> bool:

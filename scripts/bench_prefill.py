@@ -353,7 +353,7 @@ SWEEP = [
 # what fits (at 192 / 128 wide: four of 64 keys, two of 128).
 MOSAIC_SWEEP = [
     dict(),
-    dict(lazy_rescale=True),
+    dict(lazy_rescale=False),
     dict(block_k=64),
     dict(block_k=64, num_stages=3),
     dict(block_k=128),

@@ -20,8 +20,8 @@ items (``schedule_splits``) page by page with two warpgroups, each owning half o
   (FlashMLA's "seesaw"); 32-token chunks keep the scores, probabilities and masks at 16
   registers each beside the 128 of the accumulator;
 * lazy rescaling (FlashAttention-4's): a row's maximum moves only when a score exceeds it
-  by ``online_softmax.RESCALE_SLACK``, and a chunk that moved none leaves the accumulator
-  unscaled (the owner publishes whether it did beside the maximum).
+  by ``online_softmax.RESCALE_SLACK``, and a warp whose rows' maxima a chunk left where
+  they were skips its rescale of the accumulator (``mosaic_gpu.rescale_rows``).
 
 An item's first page may start before it (items start anywhere) and its last may end after
 it: those keys are masked, and the value rows past the item's end are zeroed in shared
@@ -78,9 +78,9 @@ class MosaicDecodeConfig:
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store
       (off: the kernel orders its stores itself, through its mbarriers and commit_smem).
     lazy_rescale: rows keep their maximum until a score exceeds it by
-      ``online_softmax.RESCALE_SLACK`` and the accumulator (128 registers a thread) is
-      rescaled only after a chunk that moved one (off: the exact online softmax, a rescale
-      every chunk).
+      ``online_softmax.RESCALE_SLACK``, and a warp rescales its rows of the accumulator
+      (128 registers a thread) only after a chunk that moved one of them (off: the exact
+      online softmax, a rescale every chunk).
     """
 
     approx_math: bool = True
@@ -135,13 +135,6 @@ def _finite(m: jax.Array) -> jax.Array:
     """A row maximum to subtract: 0 where no key was seen yet (``m = -inf``), so that
     ``2^(-inf - m)`` is 0 and never NaN."""
     return jnp.where(m == -jnp.inf, 0.0, m)
-
-
-def _rescale(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
-    """``2^(m_prev - m_new)``, the factor of what was summed under ``m_prev``: 0 where
-    nothing was (``m_prev = -inf``), also when ``m_new`` is still -inf (an item's first
-    chunk may lie before its start)."""
-    return jnp.exp2(m_prev - _finite(m_new))
 
 
 def mla_decode(
@@ -311,8 +304,6 @@ def _decode_call(
             plgpu.SMEM((NUM_SLOTS, NUM_WARPGROUPS, BLOCK_H, CHUNK), bf16, transforms=swizzled),
         ),
         m_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
-        # Whether a chunk moved a row's maximum (1.0) or not (0.0), beside its maximum.
-        moved_smem=plgpu.SMEM((NUM_WARPGROUPS,), jnp.float32),
         l_smem=plgpu.SMEM((2, NUM_WARPGROUPS, BLOCK_H), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),  # two copies a page
         kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # warpgroup 1 -> 0
@@ -370,7 +361,6 @@ def _kernel(
     kv_smem,
     pe_or_probs,
     m_smem,
-    moved_smem,
     l_smem,
     kv_ready,
     kv_free,
@@ -401,14 +391,12 @@ def _kernel(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     log2_scale = scale * math.log2(math.e)
 
-    def accumulate(acc, alpha, moved, a_ref, b_ref, during=lambda: None):
+    def accumulate(acc, alpha, a_ref, b_ref, during=lambda: None):
         """``acc * alpha[:, None] + a_ref @ b_ref`` with ``during()`` run while the wgmma is
-        in flight; returns the sum and what ``during`` returned. Where ``moved`` (a scalar,
-        the same on every thread; None without lazy rescaling) is 0, no row's maximum moved
-        (``alpha`` is all 1) and the multiply is skipped. Interpret mode cannot load a value
-        into a wgmma accumulator, so there the product starts from zero and is added after
-        (the same arithmetic in a different order)."""
-        scaled = online_softmax.rescale(acc, alpha, moved)
+        in flight; returns the sum and what ``during`` returned. Interpret mode cannot load
+        a value into a wgmma accumulator, so there the product starts from zero and is added
+        after (the same arithmetic in a different order)."""
+        scaled = mosaic_gpu.rescale_rows(acc, alpha, lazy=lazy_rescale, interpret=interpret)
 
         def scope(acc_ref):
             if not interpret:
@@ -561,8 +549,8 @@ def _kernel(
 
             def own_chunk(slot, k, s, m_prev, l):
                 """The owner's part of chunk ``w`` of page ``k`` (raw scores ``s``): mask,
-                online softmax, publish the probabilities, the new maximum and whether it
-                moved. Returns (m_new, l_new, alpha, moved)."""
+                online softmax, publish the probabilities and the new maximum. Returns
+                (m_new, l_new, alpha)."""
                 first_token = (first_page + k) * PAGE + w * CHUNK
 
                 def mask(s):
@@ -579,33 +567,27 @@ def _kernel(
                 row_max = s.max(axis=1) * log2_scale
                 if lazy_rescale:
                     m_new = online_softmax.lazy_maximum(m_prev, row_max)
-                    # The warpgroups' own_chunk calls never overlap (each waits for the
-                    # other's probabilities first): one reduces at a time.
-                    moved = online_softmax.any_moved(m_new, m_prev)
-                    moved_smem[w] = moved
                 else:
                     m_new = jnp.maximum(m_prev, row_max)
-                    moved = None  # (rescaled every chunk)
                 probs = jnp.exp2(
                     s * log2_scale - lax.broadcast_in_dim(_finite(m_new), s.shape, [0])
                 )
-                alpha = _rescale(m_prev, m_new)
+                alpha = online_softmax.rescale_factor(m_prev, m_new)
                 l = l * alpha + probs.sum(axis=1)
                 p_smem[slot, w] = probs.astype(jnp.bfloat16)
                 m_smem[w] = m_new
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[w])
-                return m_new, l, alpha, moved
+                return m_new, l, alpha
 
             def values(latent, c):
                 return latent.at[pl.ds(c * CHUNK, CHUNK), half]
 
             def other_probs(c):
                 """Waits for chunk ``c``'s probabilities (from the other warpgroup) and
-                returns its row maximum and whether it moved."""
+                returns its row maximum."""
                 plgpu.barrier_wait(p_ready.at[c])
-                moved = moved_smem[c] if lazy_rescale else None
-                return plgpu.layout_cast(m_smem[c], row_layout), moved
+                return plgpu.layout_cast(m_smem[c], row_layout)
 
             # Where warpgroup 0 refills a slot: over an FP8 cache, while the next page's
             # scores are in flight (it would otherwise wait for warpgroup 1 between its last
@@ -642,17 +624,12 @@ def _kernel(
                         s, _ = scores(slot, latent, 0)
                     if not quantized:  # (dequantize zeroes them)
                         pl.when(last_page_cut(k))(functools.partial(zero_past_end, slot, k))
-                    m0, l, alpha0, moved0 = own_chunk(slot, k, s, m, l)
-                    acc, (m1, moved1) = accumulate(
-                        acc,
-                        alpha0,
-                        moved0,
-                        p_smem.at[slot, 0],
-                        values(latent, 0),
-                        lambda: other_probs(1),
+                    m0, l, alpha0 = own_chunk(slot, k, s, m, l)
+                    acc, m1 = accumulate(
+                        acc, alpha0, p_smem.at[slot, 0], values(latent, 0), lambda: other_probs(1)
                     )
-                    alpha1 = _rescale(m0, m1)
-                    acc, _ = accumulate(acc, alpha1, moved1, p_smem.at[slot, 1], values(latent, 1))
+                    alpha1 = online_softmax.rescale_factor(m0, m1)
+                    acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
                     if not refill_early:
                         plgpu.barrier_wait(kv_free.at[slot])
                         pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))
@@ -660,17 +637,16 @@ def _kernel(
 
                 # Chunk 1 is ours: its scores run while chunk 0's softmax finishes on
                 # warpgroup 0; our softmax runs while chunk 0's product is in flight.
-                s, (m0, moved0) = scores(slot, latent, 1, lambda: other_probs(0))
-                alpha0 = _rescale(m, m0)
-                acc, (m1, l, alpha1, moved1) = accumulate(
+                s, m0 = scores(slot, latent, 1, lambda: other_probs(0))
+                alpha0 = online_softmax.rescale_factor(m, m0)
+                acc, (m1, l, alpha1) = accumulate(
                     acc,
                     alpha0,
-                    moved0,
                     p_smem.at[slot, 0],
                     values(latent, 0),
                     lambda: own_chunk(slot, k, s, m0, l * alpha0),
                 )
-                acc, _ = accumulate(acc, alpha1, moved1, p_smem.at[slot, 1], values(latent, 1))
+                acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m1, l, scales
 
