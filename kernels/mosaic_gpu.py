@@ -101,9 +101,10 @@ def rescale_rows(acc: jax.Array, alpha: jax.Array, *, lazy: bool, interpret: boo
 
     With ``lazy`` (lazy rescaling, where most steps leave every ``alpha`` at exactly 1),
     compiled, each thread branches past its multiplies unless one of its own rows has
-    ``alpha != 1``: a divergent branch, which a warp skips when none of its 16 rows moved,
-    with no reduction across threads (a warpgroup-wide decision reduced the rows through a
-    shared-memory scratch and a barrier on the softmax's critical path). Interpreted
+    ``alpha != 1``: a divergent branch, which a warp skips when none of its 16 rows moved.
+    A skipped multiply by exactly 1 changes nothing, so no thread needs another's decision
+    (a warpgroup-wide one would put a reduction through shared memory and a barrier on the
+    softmax's critical path). Interpreted
     (Mosaic GPU's interpret mode runs no inline Mosaic GPU code) or without ``lazy``, every
     row is multiplied: the same values."""
 

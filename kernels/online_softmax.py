@@ -34,10 +34,10 @@ def lazy_maximum(m_prev: jax.Array, row_max: jax.Array) -> jax.Array:
 
 def rescale_factor(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
     """``2^(m_prev - m_new)``, the factor of what was summed under the maximum ``m_prev``
-    (log2 domain): 0 where nothing was (``m_prev = -inf``; also while ``m_new`` is still
-    -inf, which is subtracted as 0), and exactly 1 where the maximum did not move, which
-    lazy rescaling's skip tests for (exp2 through the special-function unit does not
-    promise ``2^0 == 1``)."""
+    (log2 domain): exactly 1 where the maximum did not move, which lazy rescaling's skip
+    tests for (exp2 through the special-function unit does not promise ``2^0 == 1``), -inf
+    staying -inf included (nothing summed yet: 0 times anything); 0 where the first keys
+    arrive (``m_prev = -inf``)."""
     finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     return jnp.where(m_new == m_prev, 1.0, jnp.exp2(m_prev - finite))
 
