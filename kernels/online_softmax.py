@@ -32,14 +32,19 @@ def lazy_maximum(m_prev: jax.Array, row_max: jax.Array) -> jax.Array:
     return jnp.where(row_max > m_prev + RESCALE_SLACK, row_max, m_prev)
 
 
+def finite(m: jax.Array) -> jax.Array:
+    """A row maximum to subtract: 0 where no key was seen yet (``m = -inf``), so that
+    ``2^(-inf - m)`` is 0 and never NaN (``-inf - -inf``)."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
 def rescale_factor(m_prev: jax.Array, m_new: jax.Array) -> jax.Array:
     """``2^(m_prev - m_new)``, the factor of what was summed under the maximum ``m_prev``
     (log2 domain): exactly 1 where the maximum did not move, which lazy rescaling's skip
     tests for (exp2 through the special-function unit does not promise ``2^0 == 1``), -inf
     staying -inf included (nothing summed yet: 0 times anything); 0 where the first keys
     arrive (``m_prev = -inf``)."""
-    finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    return jnp.where(m_new == m_prev, 1.0, jnp.exp2(m_prev - finite))
+    return jnp.where(m_new == m_prev, 1.0, jnp.exp2(m_prev - finite(m_new)))
 
 
 def interpret_default() -> bool:
@@ -112,7 +117,7 @@ def update(
     values (an FP8 cache's dequantization scales, or None), applied to the probabilities:
     ``p @ (scale * v) = (p * scale) @ v`` multiplies ``rows`` values per key, not ``width``."""
     m_new = jnp.maximum(state.m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # keeps -inf - -inf out
+    m_safe = finite(m_new)
     alpha = jnp.exp2(state.m - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     l_new = state.l * alpha + jnp.sum(p, axis=1)
@@ -145,7 +150,7 @@ def merge(
     ``lse [rows]``, natural log). A -inf side contributes nothing; two -inf sides give 0 and
     -inf, never NaN."""
     m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
+    m = finite(m)
     w_a = jnp.exp(lse_a - m)
     w_b = jnp.exp(lse_b - m)
     denom = w_a + w_b
@@ -163,7 +168,7 @@ def merge_block(state: SoftmaxState, out: jax.Array, lse: jax.Array) -> SoftmaxS
     (each normalised) and natural-log ``lse [items, rows]`` (-inf: empty), weighting each by
     its softmax mass. ``state.m`` is kept in the natural-log domain here."""
     m_new = jnp.maximum(state.m, jnp.max(lse, axis=0))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    m_safe = finite(m_new)
     alpha = jnp.exp(state.m - m_safe)
     w = jnp.exp(lse - m_safe[None, :])
     acc = state.acc * alpha[:, None] + jnp.sum(w[:, :, None] * out, axis=0)

@@ -131,12 +131,6 @@ def unsupported(q_lat, q_pe, kv_cache) -> str | None:
     return mosaic_gpu.device_unsupported()
 
 
-def _finite(m: jax.Array) -> jax.Array:
-    """A row maximum to subtract: 0 where no key was seen yet (``m = -inf``), so that
-    ``2^(-inf - m)`` is 0 and never NaN."""
-    return jnp.where(m == -jnp.inf, 0.0, m)
-
-
 def mla_decode(
     q_lat: jax.Array,
     q_pe: jax.Array,
@@ -569,9 +563,8 @@ def _kernel(
                     m_new = online_softmax.lazy_maximum(m_prev, row_max)
                 else:
                     m_new = jnp.maximum(m_prev, row_max)
-                probs = jnp.exp2(
-                    s * log2_scale - lax.broadcast_in_dim(_finite(m_new), s.shape, [0])
-                )
+                subtracted = lax.broadcast_in_dim(online_softmax.finite(m_new), s.shape, [0])
+                probs = jnp.exp2(s * log2_scale - subtracted)
                 alpha = online_softmax.rescale_factor(m_prev, m_new)
                 l = l * alpha + probs.sum(axis=1)
                 p_smem[slot, w] = probs.astype(jnp.bfloat16)

@@ -667,7 +667,7 @@ def _kernel(
                 m_new = jnp.maximum(m, row_max)
             if masked:
                 # A row with no key yet keeps m = -inf: subtract 0 instead (no -inf - -inf).
-                m_new = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                m_new = online_softmax.finite(m_new)
             p = jnp.exp2(s * log2_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = online_softmax.rescale_factor(m, m_new)
             l = l * alpha + p.sum(axis=1)
