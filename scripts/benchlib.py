@@ -136,6 +136,21 @@ def _traced_calls(calls: list[tuple[str, object, tuple]]) -> dict[str, list[list
     return per_label
 
 
+def kernel_medians(per_call_events: list[list[dict]]) -> dict[str, float]:
+    """Each kernel's microseconds a call: the median over the calls of the sum of its
+    instances in each (a kernel that runs several times a call at different sizes, as the
+    chunked context's attention does, is not its median instance times its count)."""
+    names = {k["name"] for mine in per_call_events for k in mine}
+    return {
+        name: float(
+            np.median(
+                [sum(k["dur"] for k in mine if k["name"] == name) for mine in per_call_events]
+            )
+        )
+        for name in names
+    }
+
+
 def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] | None:
     """Per-call summed kernel durations and the per-kernel medians from a profiler trace, or
     None when the trace holds no kernel events."""
@@ -145,12 +160,7 @@ def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] 
     if len(per_call) != reps or min(per_call) <= 0:
         print("warning: no kernel events in the trace; timing wall clock")
         return None
-    per_kernel = {}
-    for mine in per_call_events:
-        for k in mine:
-            per_kernel.setdefault(k["name"], []).append(k["dur"])
-    breakdown = {k: float(np.median(v)) * len(v) / reps for k, v in per_kernel.items()}
-    return per_call, breakdown
+    return per_call, kernel_medians(per_call_events)
 
 
 def time_many(

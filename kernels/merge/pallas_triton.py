@@ -58,13 +58,15 @@ def merge_attn_states(
     suffix_out: jax.Array,
     suffix_lse: jax.Array,
     *,
+    out_dtype: jnp.dtype | None = None,
     config: MergeConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``out [T, N, D]`` and ``lse [T, N]`` float32 (natural log) on each side -> the merged
-    ``(out, lse)``; out in prefix_out's dtype (the sides' dtypes may differ: a float32
-    prefix accumulates bf16 suffixes without rounding). ``config``: launch parameters
-    (default: ``MergeConfig()``)."""
+    ``(out, lse)``; out in ``out_dtype`` (default: prefix_out's dtype; the sides' dtypes may
+    differ: a float32 prefix accumulates bf16 suffixes without rounding, and the last merge
+    of such a loop can write the model's dtype). ``config``: launch parameters (default:
+    ``MergeConfig()``)."""
     t, n, d = prefix_out.shape
     if (
         suffix_out.shape != prefix_out.shape
@@ -84,13 +86,14 @@ def merge_attn_states(
         prefix_lse,
         suffix_out,
         suffix_lse,
+        out_dtype=jnp.dtype(out_dtype or prefix_out.dtype),
         config=config or MergeConfig(),
         interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, config, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, out_dtype, config, interpret):
     t, n, d = prefix_out.shape
     block_rows = config.block_rows
     rows, width = t * n, online_softmax.tile_width(d, minimum=1)
@@ -100,7 +103,7 @@ def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, *, config, interpret)
         functools.partial(_merge_kernel, block_rows=block_rows),
         grid=(pl.cdiv(rows, block_rows),),
         out_shape=(
-            jax.ShapeDtypeStruct((rows, width), prefix_out.dtype),
+            jax.ShapeDtypeStruct((rows, width), out_dtype),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),

@@ -12,14 +12,16 @@ def merge_attn_states(
     suffix_out: jax.Array,
     suffix_lse: jax.Array,
     *,
+    out_dtype=None,
     config=None,
     interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Combines two attention results over disjoint key sets.
 
     ``out [T, N, D]``, ``lse [T, N]`` float32 on each side. A ``-inf`` side contributes
-    nothing; two ``-inf`` sides give out 0 and lse ``-inf``. Returns prefix_out's dtype.
-    ``config``, ``interpret``: the Pallas kernel's launch parameters and mode; ignored here.
+    nothing; two ``-inf`` sides give out 0 and lse ``-inf``. out in ``out_dtype`` (default:
+    prefix_out's dtype). ``config``, ``interpret``: the Pallas kernel's launch parameters
+    and mode; ignored here.
     """
     del config, interpret
     m = jnp.maximum(prefix_lse, suffix_lse)
@@ -30,4 +32,4 @@ def merge_attn_states(
     inv = 1.0 / jnp.where(denom > 0, denom, 1.0)
     out = prefix_out.astype(jnp.float32) * (wp * inv)[..., None]
     out += suffix_out.astype(jnp.float32) * (ws * inv)[..., None]
-    return out.astype(prefix_out.dtype), m + jnp.log(denom)
+    return out.astype(out_dtype or prefix_out.dtype), m + jnp.log(denom)

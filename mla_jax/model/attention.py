@@ -196,14 +196,28 @@ class MLAAttention(nnx.Module):
             precision=matmul_precision(o_lat.dtype),
         )
 
-    def _up_project(self, kv_c: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``kv_c [T, Lkv]``, ``k_pe [T, R]`` -> keys ``[T, N, P + R]``, values ``[T, N, V]``."""
-        dt = kv_c.dtype
+    def _key_weight(self, dtype) -> jax.Array:
+        """``[Lkv + R, N, P + R]``: latent rows ``concat(kv_c, k_pe)`` -> keys
+        ``concat(kv_c @ W_UK, k_pe)`` in one matmul, W_UK beside an identity that copies
+        k_pe into each head's last R columns (exact: k_pe times 1 plus zeros, accumulated in
+        float32). Concatenating k_nope with k_pe broadcast over the heads after the matmul
+        was a pass over all the keys: at DeepSeek-V3's 128 heads, 8192 context rows took 187
+        us of matmul and 184 of concatenation, 280 us this way (H200)."""
+        c = self.cfg
+        lkv, r, p = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim
+        rope = jnp.broadcast_to(jnp.eye(r, dtype=dtype)[:, None, :], (r, c.num_heads, r))
+        w_k = jnp.zeros((lkv + r, c.num_heads, p + r), dtype)
+        return w_k.at[:lkv, :, :p].set(self.W_UK.astype(dtype)).at[lkv:, :, p:].set(rope)
+
+    def _up_project(self, latent: jax.Array, w_k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``latent [T, Lkv + R]`` rows ``concat(kv_c, k_pe)`` -> keys ``[T, N, P + R]``
+        (``w_k``: ``_key_weight`` in latent's dtype) and values ``[T, N, V]``."""
+        dt = latent.dtype
         precision = matmul_precision(dt)
-        k_nope = jnp.einsum("tl,lnp->tnp", kv_c, self.W_UK.astype(dt), precision=precision)
-        v = jnp.einsum("tl,lnv->tnv", kv_c, self.W_UV.astype(dt), precision=precision)
-        k_pe = jnp.broadcast_to(k_pe[:, None, :], (*k_nope.shape[:2], k_pe.shape[-1]))
-        return jnp.concatenate([k_nope, k_pe.astype(dt)], axis=-1), v
+        lkv = self.cfg.kv_lora_rank
+        k = jnp.einsum("tc,cnk->tnk", latent, w_k, precision=precision)
+        v = jnp.einsum("tl,lnv->tnv", latent[:, :lkv], self.W_UV.astype(dt), precision=precision)
+        return k, v
 
     def _prefill(
         self,
@@ -215,7 +229,8 @@ class MLAAttention(nnx.Module):
         metadata: PrefillMetadata,
     ) -> jax.Array:
         """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
-        k, v = self._up_project(kv_c, k_pe)
+        latent = jnp.concatenate([kv_c, k_pe.astype(kv_c.dtype)], axis=-1)
+        k, v = self._up_project(latent, self._key_weight(latent.dtype))
         out, lse = kernel_set.flash_prefill(
             q,
             k,
@@ -229,8 +244,8 @@ class MLAAttention(nnx.Module):
         if metadata.chunks is None:
             return out
         context_out, context_lse = self._context(kernel_set, q, layers, metadata)
-        out, _ = kernel_set.merge_attn_states(context_out, context_lse, out, lse)
-        return out.astype(q.dtype)
+        out, _ = kernel_set.merge_attn_states(context_out, context_lse, out, lse, out_dtype=q.dtype)
+        return out
 
     def _context(
         self,
@@ -243,8 +258,8 @@ class MLAAttention(nnx.Module):
         chunk at a time (a scan, so peak memory is one chunk's keys and values). The
         running result is float32, so that many chunks add no bf16 rounding."""
         chunks = metadata.chunks
-        lkv = self.cfg.kv_lora_rank
         block_table = layers.block_ids(metadata.block_table)
+        w_k = self._key_weight(q.dtype)  # built once, outside the chunks' loop
 
         def attend(carry, cu_seq_lens, starts, total):
             workspace = _gather_workspace(
@@ -255,7 +270,7 @@ class MLAAttention(nnx.Module):
                 total,
                 chunks.workspace_size,
             ).astype(q.dtype)
-            k, v = self._up_project(workspace[:, :lkv], workspace[:, lkv:])
+            k, v = self._up_project(workspace, w_k)
             out, lse = kernel_set.flash_prefill(
                 q,
                 k,

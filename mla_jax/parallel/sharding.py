@@ -369,9 +369,10 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
         run = _by_heads(local, mesh, head_args=3, num_args=6, num_outputs=2)
         return run(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule)
 
-    merge_attn_states = _by_heads(
-        kernel_set.merge_attn_states, mesh, head_args=4, num_args=4, num_outputs=2
-    )
+    def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, *, out_dtype=None):
+        local = functools.partial(kernel_set.merge_attn_states, out_dtype=out_dtype)
+        run = _by_heads(local, mesh, head_args=4, num_args=4, num_outputs=2)
+        return run(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
     # The FP8 projections' matmul runs as it is. The reference (a dequantize and a dot) is

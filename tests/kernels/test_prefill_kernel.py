@@ -189,6 +189,29 @@ def test_merge_float32_prefix_keeps_bf16_suffixes_exact(rng):
     assert out.dtype == jnp.float32 and rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_merge_writes_out_dtype(rng, impl):
+    """``out_dtype``: a float32 running result merged with a bf16 chunk into bf16 (the
+    context loop's last merge), rounded once from the float32 result."""
+    kernel = merge.merge_attn_states if impl == "pallas" else merge.reference.merge_attn_states
+    t, n, d = 9, 2, 16
+    prefix = rng.standard_normal((t, n, d)).astype(np.float32)
+    suffix = np.asarray(jnp.asarray(rng.standard_normal((t, n, d)), jnp.bfloat16))
+    lses = [rng.standard_normal((t, n)).astype(np.float32) for _ in range(2)]
+    want_lse = np.logaddexp(*(x.astype(np.float64) for x in lses))
+    want = (
+        prefix * np.exp(lses[0] - want_lse)[..., None]
+        + suffix.astype(np.float64) * np.exp(lses[1] - want_lse)[..., None]
+    )
+    args = (jnp.asarray(prefix), jnp.asarray(lses[0]), jnp.asarray(suffix), jnp.asarray(lses[1]))
+    out, lse = kernel(*args, out_dtype=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    # Within bf16's half ulp (2^-8 of the value at most) and float32's error of each value.
+    bound = 2**-8 * (1 + 1e-5) * np.abs(want)
+    assert np.all(np.abs(np.asarray(out, np.float64) - want) <= bound)
+    assert rel_err(lse, want_lse) < 1e-6
+
+
 def test_merge_bad_inputs():
     a = jnp.zeros((4, 2, 8))
     with pytest.raises(ValueError, match="must match"):

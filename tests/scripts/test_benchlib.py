@@ -44,3 +44,19 @@ def test_sweep_names_are_checked(capsys):
     with pytest.raises(SystemExit):
         benchlib.parse_args(benchlib.parser("no sweeps"), ["--sweep"])
     assert "unrecognized arguments: --sweep" in capsys.readouterr().err
+
+
+def test_kernel_medians_sum_a_kernels_instances_in_each_call():
+    """A kernel that runs at two sizes in a call (the chunked context's attention: the new
+    tokens' 366 us and four chunks of 1936 us) counts its instances' sum per call, the median
+    over the calls; not its median instance times its count (9680 us here)."""
+    calls = [
+        [{"name": "attention", "dur": 366.0}]
+        + [{"name": "attention", "dur": 1936.0 + c}] * 4
+        + [{"name": "merge", "dur": 92.0}]
+        for c in (0.0, 1.0, 2.0)
+    ]
+    medians = benchlib.kernel_medians(calls)
+    assert medians == {"attention": 366.0 + 4 * 1937.0, "merge": 92.0}
+    # A kernel missing from some calls counts 0 in those.
+    assert benchlib.kernel_medians([[{"name": "a", "dur": 5.0}], [], []]) == {"a": 0.0}
