@@ -97,14 +97,29 @@ class Timing(NamedTuple):
     samples: list[float]  # microseconds of every timed call, in call order
     warmup: int  # untimed rounds through the argument sets before the timed calls
     rotation: int  # distinct argument sets the calls cycle through (L2 kept cold)
+    # cupti only: microseconds from a call's first kernel's start to its last kernel's end,
+    # every call. Beyond ``samples`` it holds the GPU's idle gaps inside the call (launches,
+    # a loop's condition read by the host).
+    spans: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, samples: list[float], method: str, *, warmup: int, rotation: int, kernels=None):
-        return cls(float(np.median(samples)), method, kernels or {}, samples, warmup, rotation)
+    def of(
+        cls,
+        samples: list[float],
+        method: str,
+        *,
+        warmup: int,
+        rotation: int,
+        kernels=None,
+        spans=None,
+    ):
+        median = float(np.median(samples))
+        return cls(median, method, kernels or {}, samples, warmup, rotation, tuple(spans or ()))
 
     def record(self) -> dict:
-        """The JSON form: method, repetitions, warm-up, rotation, raw and median times."""
-        return {
+        """The JSON form: method, repetitions, warm-up, rotation, raw and median times (and
+        the calls' spans where CUPTI timed them)."""
+        record = {
             "method": self.method,
             "reps": len(self.samples),
             "warmup": self.warmup,
@@ -113,6 +128,10 @@ class Timing(NamedTuple):
             "samples_us": [round(t, 2) for t in self.samples],
             "kernels_us": {k: round(v, 2) for k, v in self.kernels.items()},
         }
+        if self.spans:
+            record["span_median_us"] = round(float(np.median(self.spans)), 2)
+            record["spans_us"] = [round(t, 2) for t in self.spans]
+        return record
 
 
 def _traced_calls(calls: list[tuple[str, object, tuple]]) -> dict[str, list[list[dict]]]:
@@ -151,16 +170,24 @@ def kernel_medians(per_call_events: list[list[dict]]) -> dict[str, float]:
     }
 
 
-def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict] | None:
-    """Per-call summed kernel durations and the per-kernel medians from a profiler trace, or
-    None when the trace holds no kernel events."""
+def call_spans(per_call_events: list[list[dict]]) -> list[float]:
+    """Each call's microseconds from its first kernel's start to its last kernel's end."""
+    return [
+        float(max(k["ts"] + k["dur"] for k in mine) - min(k["ts"] for k in mine))
+        for mine in per_call_events
+    ]
+
+
+def _cupti_us(fn, arg_sets: list[tuple], reps: int) -> tuple[list[float], dict, list] | None:
+    """Per-call summed kernel durations, the per-kernel medians and the calls' spans from a
+    profiler trace, or None when the trace holds no kernel events."""
     calls = [("fn", fn, arg_sets[i % len(arg_sets)]) for i in range(reps)]
     per_call_events = _traced_calls(calls).get("fn", [])
     per_call = [float(sum(k["dur"] for k in mine)) for mine in per_call_events]
     if len(per_call) != reps or min(per_call) <= 0:
         print("warning: no kernel events in the trace; timing wall clock")
         return None
-    return per_call, kernel_medians(per_call_events)
+    return per_call, kernel_medians(per_call_events), call_spans(per_call_events)
 
 
 def time_many(
@@ -241,7 +268,7 @@ def time_us(fn, arg_sets: list[tuple], *, reps: int = 30, warmup: int = 2) -> Ti
     if jax.default_backend() == "gpu":
         cupti = _cupti_us(fn, arg_sets, reps)
         if cupti is not None:
-            return Timing.of(cupti[0], "cupti", kernels=cupti[1], **how)
+            return Timing.of(cupti[0], "cupti", kernels=cupti[1], spans=cupti[2], **how)
     return Timing.of(_wall_us(fn, arg_sets, reps), "wall", **how)
 
 
@@ -505,9 +532,11 @@ def _timing_note(rows: list) -> list[str]:
         )
     if not parts:
         return []
+    spans = any("spans_us" in t for _, t in kept)
+    kept_too = " and spans (first kernel's start to last kernel's end)" if spans else ""
     return [
-        "Timing (the JSON keeps each row's raw samples, and per-kernel medians where CUPTI "
-        "timed it): " + "; ".join(parts) + "."
+        f"Timing (the JSON keeps each row's raw samples, and per-kernel medians{kept_too} "
+        "where CUPTI timed it): " + "; ".join(parts) + "."
     ]
 
 

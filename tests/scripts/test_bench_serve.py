@@ -70,3 +70,9 @@ def test_bad_flags_are_named(flags, message, capsys):
         bench_serve.main(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_compile_depths_default_to_none_where_the_deepest_model_does_not_fit():
+    assert bench_serve.default_compile_depths("v2-lite", bench_serve.FULL) == "2,27,61"
+    assert bench_serve.default_compile_depths("tiny", bench_serve.SMOKE) == "1"
+    assert bench_serve.default_compile_depths("v3", bench_serve.FULL) == ""

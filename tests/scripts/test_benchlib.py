@@ -60,3 +60,18 @@ def test_kernel_medians_sum_a_kernels_instances_in_each_call():
     assert medians == {"attention": 366.0 + 4 * 1937.0, "merge": 92.0}
     # A kernel missing from some calls counts 0 in those.
     assert benchlib.kernel_medians([[{"name": "a", "dur": 5.0}], [], []]) == {"a": 0.0}
+
+
+def test_call_spans_hold_the_gaps_between_a_calls_kernels():
+    """A call's span runs from its first kernel's start to its last one's end, gaps
+    included (the summed durations leave them out); the JSON keeps every call's and their
+    median."""
+    calls = [
+        [{"name": "a", "ts": 100.0, "dur": 10.0}, {"name": "b", "ts": 150.0, "dur": 20.0}],
+        [{"name": "b", "ts": 500.0, "dur": 20.0}, {"name": "a", "ts": 470.0, "dur": 10.0}],
+    ]
+    assert benchlib.call_spans(calls) == [70.0, 50.0]
+    record = benchlib.Timing.of([30.0, 30.0], "cupti", warmup=1, rotation=1, spans=[70.0, 50.0])
+    record = record.record()
+    assert record["span_median_us"] == 60.0 and record["spans_us"] == [70.0, 50.0]
+    assert "spans_us" not in benchlib.Timing.of([1.0], "wall", warmup=0, rotation=1).record()
