@@ -23,6 +23,7 @@ and it is an eighth of the bytes.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -61,6 +62,25 @@ class Fp8Cache(NamedTuple):
     def dtype(self):
         """What it dequantizes to and what the kernels compute in: the rope dtype."""
         return self.k_pe.dtype
+
+
+def check_triton_indexable(array: jax.Array, what: str) -> None:
+    """ValueError (one line, naming ``what``) for an operand a Pallas Triton kernel would
+    read wrongly: 1-byte values (the FP8 cache's ``kv_c``, FP8 weights) filling more than
+    2 GiB and at most 4 GiB. Pallas' Triton lowering (jax 0.10 to 0.12) indexes an operand of
+    at most 2^32 bytes with 32-bit offsets, and the GPU sign-extends them, so every element
+    past 2^31 would be read from before the array (an illegal address, or silently another
+    buffer's bytes). Wider values stay below 2^31 elements there; larger operands get 64-bit
+    offsets. The Mosaic GPU kernels address by TMA and have no such limit."""
+    itemsize = jnp.dtype(array.dtype).itemsize
+    nbytes = math.prod(array.shape) * itemsize
+    if itemsize == 1 and 2**31 < nbytes <= 2**32:
+        raise ValueError(
+            f"{what} {jnp.dtype(array.dtype).name}{list(array.shape)} fills {nbytes} bytes, "
+            "within (2 GiB, 4 GiB], where Pallas' Triton lowering indexes 1-byte values with "
+            "32-bit offsets that wrap past 2 GiB: make it smaller or larger (a cache's "
+            "blocks, a stack's layers)"
+        )
 
 
 def num_groups(lkv: int) -> int:

@@ -1,7 +1,8 @@
 """The reduction loop of the matmul kernels (``grouped_matmul``, ``fp8_matmul``): one output
 tile ``[block_m, block_n]`` accumulated in float32 over steps of ``block_k``, the full steps
 unmasked and the partial last one masked, each step's weight tile dequantized in registers
-when the weight is FP8 (``fp8_blocks``)."""
+when the weight is FP8 (``fp8_blocks``); and the float16 MMA over FP8 weights
+(``float16_rows``, ``unscale_rows``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,42 @@ from . import fp8_blocks, online_softmax
 
 # The smallest tile along any dot dimension (a Triton dot operand is at least 16 wide).
 MIN_TILE = 16
+
+
+def float16_rows(lhs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``lhs [M, K]`` bfloat16 in float16 for an MMA against FP8 weight tiles, and ``[M]``
+    float32 factors that undo the conversion: each row times the power of two that puts its
+    largest magnitude in ``[2^14, 2^15)``, inside float16's range (65504) whatever the row's
+    scale. Exact for every value above ``2^-29`` of its row's maximum (float16's 11 bits hold
+    bfloat16's 8; below that, float16's subnormals round). Why float16: e4m3 -> float16 is
+    one conversion instruction a pair of values on Hopper, e4m3 -> bfloat16 three."""
+    values = lhs.astype(jnp.float32)
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(values), axis=1))  # max < 2^exponent
+    shift = 15 - exponent
+    scaled = jnp.ldexp(values, shift[:, None]).astype(jnp.float16)
+    return scaled, jnp.ldexp(jnp.ones(shift.shape, jnp.float32), -shift)
+
+
+def unscale_rows(acc: jax.Array, row_scale_ref, r0, row_ok: jax.Array) -> jax.Array:
+    """Inside a kernel: the float32 tile ``acc [block_m, block_n]`` of rows ``r0 + [0,
+    block_m)`` times those rows' ``float16_rows`` factors (``row_scale_ref [M]``; rows where
+    ``row_ok`` is False read nothing)."""
+    block_m = row_ok.shape[0]
+    factors = plgpu.load(row_scale_ref.at[pl.ds(r0, block_m)], mask=row_ok, other=0.0)
+    return acc * factors[:, None]
+
+
+def float16_applies(float16_mma: bool, lhs: jax.Array, blocks, block_k: int) -> bool:
+    """Whether a kernel configured with ``float16_mma`` runs its MMA in float16: over FP8
+    weights (``blocks``), bfloat16 ``lhs`` (a float32 one keeps its exact float32 MMA) and
+    scale blocks a whole number of K steps deep (the scales then go on each step's product,
+    so the converted tile is exact)."""
+    return (
+        float16_mma
+        and blocks is not None
+        and lhs.dtype == jnp.bfloat16
+        and blocks.block_in % block_k == 0
+    )
 
 
 def fit_block(block: int, dim: int) -> int:

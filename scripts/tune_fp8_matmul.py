@@ -4,7 +4,7 @@ consult), with every candidate's time in ``benchmarks/tuning/fp8_tune.json``:
 
 * the dense projections' Pallas kernel at decode (1 and 64 rows) for the shapes
   ``bench_fp8_matmul.py`` measures: column tile, K step, K splits (programs per
-  multiprocessor), warps, stages, scales on the product;
+  multiprocessor), warps, stages, scales on the product, the MMA in float16;
 * the grouped matmul with DeepSeek-V3's FP8 experts (``gate_up_proj``, ``down_proj``) at
   decode (64 tokens x top-8) and prefill (8192 tokens x top-8), random routing.
 
@@ -65,6 +65,9 @@ def dense_candidates(rows: int, depth: int, width: int) -> dict:
         "k64_st6_splits4": make(block_k=64, stages=6, per_sm=4),
         "splits4_scaleprod": make(per_sm=4, scale_product=True),
         "n128_w8_splits8": make(block_n=128, per_sm=8, warps=8),
+        "f16": make(float16_mma=True),
+        "splits8_f16": make(per_sm=8, float16_mma=True),
+        "n128_splits8_f16": make(block_n=128, per_sm=8, float16_mma=True),
     }
 
 
@@ -80,6 +83,9 @@ def grouped_candidates(regime: str) -> dict:
             "n64_scaleprod": dataclasses.replace(base, block_n=64, scale_product=True),
             "st6_scaleprod": dataclasses.replace(base, num_stages=6, scale_product=True),
             "w8_scaleprod": dataclasses.replace(base, num_warps=8, scale_product=True),
+            "f16": dataclasses.replace(base, float16_mma=True),
+            "n256_f16": dataclasses.replace(base, block_n=256, float16_mma=True),
+            "st6_f16": dataclasses.replace(base, num_stages=6, float16_mma=True),
         }
     base = cfg()
     return {
@@ -90,6 +96,7 @@ def grouped_candidates(regime: str) -> dict:
         "n128_k128_scaleprod": cfg(128, 128, 128, 8, 3, scale_product=True),
         "m64_n256_w4_scaleprod": cfg(64, 256, 64, 4, 4, scale_product=True),
         "k128_st4_scaleprod": cfg(128, 256, 128, 8, 4, scale_product=True),
+        "k128_f16": cfg(128, 256, 128, 8, 3, float16_mma=True),
     }
 
 

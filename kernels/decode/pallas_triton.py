@@ -562,6 +562,8 @@ def mla_decode(
         )
     if interpret is None:
         interpret = online_softmax.interpret_default()
+    if isinstance(kv_cache, fp8.Fp8Cache) and not interpret:
+        fp8.check_triton_indexable(kv_cache.kv_c, "kv_cache.kv_c")
     config = dataclasses.replace(
         config,
         combine_block_h=min(config.combine_block_h, padded_heads(n)),

@@ -5,7 +5,9 @@ DeepSeek's checkpoints store the decoder's projections.
 Each program computes ``block_m`` rows x ``block_n`` columns of the output over one range of
 K steps: it loads each weight tile as fp8 (half a bf16 tile's bytes), gathers the tile's
 scales, dequantizes it in registers into x's dtype and runs the MMA in that dtype
-(``matmul_steps``). The weight crosses HBM once, in fp8, and no dequantized copy exists.
+(``matmul_steps``); with ``float16_mma`` it converts the tile into float16 instead, x scaled
+per row into float16's range, and the scales multiply each step's product. The weight
+crosses HBM once, in fp8, and no dequantized copy exists.
 
 At decode a step's few rows make the matmul a stream of the weight; a projection of ``N``
 columns has only ``N / block_n`` column tiles, too few to keep every multiprocessor reading,
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import fp8_blocks, matmul_steps, online_softmax
+from .. import fp8, fp8_blocks, matmul_steps, online_softmax
 from .. import tuned as _tuned
 
 # H100 SXM and H200 have 132 multiprocessors; the split of K aims at two programs on each.
@@ -49,6 +51,9 @@ class Fp8MatmulConfig:
     # the weight tile as the MMA's left operand (matmul_steps.accumulate)
     scale_product: bool = False
     swap_ab: bool = False
+    # bfloat16 x: the MMA in float16, x scaled per row into its range, the scales on the
+    # product (matmul_steps.float16_rows, float16_applies)
+    float16_mma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -98,8 +103,7 @@ def _fp8_matmul_kernel(
     x_ref,
     weight_ref,
     scale_ref,
-    out_ref,
-    *,
+    *rest,
     rows: int,
     depth: int,
     width: int,
@@ -111,8 +115,10 @@ def _fp8_matmul_kernel(
     scale_product: bool,
     swap_ab: bool,
 ):
-    """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``;
-    ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in x's dtype."""
+    """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``
+    (``rest``: x's ``float16_rows`` factors where x is float16, then the output);
+    ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in the model's dtype."""
+    row_scale_ref, out_ref = rest if len(rest) == 2 else (None, *rest)
     j, i, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r0, n0 = i * block_m, j * block_n
     row_ok = r0 + jnp.arange(block_m, dtype=jnp.int32) < rows
@@ -136,6 +142,8 @@ def _fp8_matmul_kernel(
         scale_product=scale_product,
         swap_ab=swap_ab,
     )
+    if row_scale_ref is not None:
+        acc = matmul_steps.unscale_rows(acc, row_scale_ref, r0, row_ok)
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     partial = () if out_ref.ndim == 2 else (split,)
     plgpu.store(
@@ -157,7 +165,8 @@ def fp8_matmul(
     """``x @ dequantize(weight, scale_inv)``, each weight tile dequantized in the kernel.
 
     Args:
-      x: ``[M, K]`` bfloat16 or float32 (the MMA runs in x's dtype).
+      x: ``[M, K]`` bfloat16 or float32 (the MMA runs in x's dtype, or in float16 with
+        ``config.float16_mma``).
       weight: ``[K, N]`` float8_e4m3fn (HF's ``[N, K]`` transposed).
       scale_inv: ``blocks.scale_shape(K, N)`` float32 block scales (HF's ``weight_scale_inv``
         transposed). blocks: their block sizes (static).
@@ -171,6 +180,8 @@ def fp8_matmul(
     check(x, weight, scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()
+    if not interpret:
+        fp8.check_triton_indexable(weight, "weight")
     config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape)
     return _fp8_matmul(x, weight, scale_inv, blocks=blocks, config=config, interpret=interpret)
 
@@ -186,11 +197,17 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
     splits = min(config.k_splits, steps)
     steps_per_split = pl.cdiv(steps, splits)
     splits = pl.cdiv(steps, steps_per_split)  # no empty split
+    out_dtype, row_scale = x.dtype, ()
+    float16 = matmul_steps.float16_applies(config.float16_mma, x, blocks, block_k)
+    if float16:
+        x, factors = matmul_steps.float16_rows(x)
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Tiles past an axis are masked.
     tile = matmul_steps.MIN_TILE
     rows = max(m, block_m)
     x = online_softmax.pad_to(x, (rows, max(k, tile)))
+    if float16:
+        row_scale = (online_softmax.pad_to(factors, (rows,)),)
     weight = online_softmax.pad_to(weight, (max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _fp8_matmul_kernel,
@@ -202,14 +219,14 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         block_k=block_k,
         steps_per_split=steps_per_split,
         blocks=blocks,
-        scale_product=config.scale_product,
+        scale_product=config.scale_product or float16,
         swap_ab=config.swap_ab,
     )
     out_shape = (rows, weight.shape[1])
     if splits > 1:
         out_shape = jax.ShapeDtypeStruct((splits, *out_shape), jnp.float32)
     else:
-        out_shape = jax.ShapeDtypeStruct(out_shape, x.dtype)
+        out_shape = jax.ShapeDtypeStruct(out_shape, out_dtype)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, block_n), pl.cdiv(m, block_m), splits),
@@ -219,7 +236,7 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         ),
         interpret=interpret,
         name="fp8_matmul",
-    )(x, weight, scale_inv)
+    )(x, weight, scale_inv, *row_scale)
     if splits > 1:
-        out = out.sum(axis=0).astype(x.dtype)
+        out = out.sum(axis=0).astype(out_dtype)
     return out[:m, :n]

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import fp8_blocks, matmul_steps, online_softmax, tiling
+from .. import fp8, fp8_blocks, matmul_steps, online_softmax, tiling
 from .. import tuned as _tuned
 
 
@@ -48,6 +48,9 @@ class GroupedMatmulConfig:
     # the weight tile as the MMA's left operand (matmul_steps.accumulate)
     scale_product: bool = False
     swap_ab: bool = False
+    # bfloat16 lhs: the MMA in float16, lhs scaled per row into its range, the scales on the
+    # product (matmul_steps.float16_rows, float16_applies)
+    float16_mma: bool = False
 
     @staticmethod
     def regime(num_rows: int, num_groups: int) -> str:
@@ -120,8 +123,9 @@ def _grouped_matmul_kernel(
     swap_ab: bool,
 ):
     """One row tile x ``block_n`` output columns (``rest``: rhs's scales with ``blocks``,
-    then the output)."""
-    scale_ref, out_ref = rest if blocks is not None else (None, *rest)
+    lhs's ``float16_rows`` factors where lhs is float16, then the output)."""
+    scale_ref, *rest = rest if blocks is not None else (None, *rest)
+    row_scale_ref, out_ref = rest if len(rest) == 2 else (None, *rest)
     j, t = pl.program_id(0), pl.program_id(1)
     g, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
@@ -149,6 +153,8 @@ def _grouped_matmul_kernel(
         scale_product=scale_product,
         swap_ab=swap_ab,
     )
+    if row_scale_ref is not None:
+        acc = matmul_steps.unscale_rows(acc, row_scale_ref, r0, row_ok)
     cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
     plgpu.store(
         out_ref.at[pl.ds(r0, block_m), pl.ds(n0, block_n)],
@@ -247,7 +253,8 @@ def grouped_matmul(
         slicing one layer's experts out under a scan would copy them each step.
       rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', cdiv(K, block_in),
         ...]`` (``fp8_blocks.Fp8Blocks.scale_shape``); each weight tile is dequantized into
-        lhs's dtype in registers. blocks: their block sizes (static).
+        lhs's dtype in registers (or into float16 with ``config.float16_mma``). blocks:
+        their block sizes (static).
       schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
         ``config.block_m``); None plans them on the device, up to the static bound
         ``tiling.max_tiles``.
@@ -262,6 +269,8 @@ def grouped_matmul(
     check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     if interpret is None:
         interpret = online_softmax.interpret_default()
+    if not interpret:
+        fp8.check_triton_indexable(rhs, "rhs")
     config = config or GroupedMatmulConfig.for_shape(
         lhs.shape[0], group_sizes.shape[0], *rhs.shape[1:], fp8=blocks is not None
     )
@@ -299,11 +308,17 @@ def _grouped_matmul(
             xp=jnp,
         )
     block_m = schedule.rows_per_tile
+    out_dtype, row_scale = lhs.dtype, ()
+    float16 = matmul_steps.float16_applies(config.float16_mma, lhs, blocks, block_k)
+    if float16:
+        lhs, factors = matmul_steps.float16_rows(lhs)
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
     tile = matmul_steps.MIN_TILE
     lhs = online_softmax.pad_to(lhs, (rows, max(k, tile)))
+    if float16:
+        row_scale = (online_softmax.pad_to(factors, (rows,)),)
     rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _grouped_matmul_kernel,
@@ -314,14 +329,14 @@ def _grouped_matmul(
         block_n=block_n,
         block_k=block_k,
         blocks=blocks,
-        scale_product=config.scale_product,
+        scale_product=config.scale_product or float16,
         swap_ab=config.swap_ab,
     )
     scales = () if blocks is None else (rhs_scale_inv,)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, block_n), schedule.tile_segment.shape[0]),
-        out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), out_dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
@@ -335,5 +350,6 @@ def _grouped_matmul(
         lhs,
         rhs,
         *scales,
+        *row_scale,
     )
     return out[:m, :n]

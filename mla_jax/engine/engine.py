@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from mla_jax import kernels
 from mla_jax.cache.block_manager import BlockManager
 from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
@@ -39,6 +40,8 @@ from mla_jax.engine.input_batch import InputBatch
 from mla_jax.engine.request import Request, RequestError
 from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput, window_tokens
 from mla_jax.engine.scheduler import Scheduled, Scheduler, WindowPlan
+from mla_jax.kernels import fp8
+from mla_jax.kernels.decode.pallas_mosaic_gpu import BLOCK_H as MOSAIC_BLOCK_H
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.parallel import sharding
@@ -274,6 +277,33 @@ def _median_ms(seconds: list[float]) -> float | None:
     return round(float(np.median(seconds)) * 1e3, 3) if seconds else None
 
 
+def _refuse_unindexable_fp8_cache(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+    """ValueError (one line, naming ``num_blocks``) for an FP8 cache whose e4m3 latent on a
+    device fills (2 GiB, 4 GiB], where the Triton decode kernel would read past 2 GiB from
+    the wrong address (``fp8.check_triton_indexable``): on a GPU, when that kernel may run,
+    i.e. unless every decode takes the Mosaic GPU one (64 heads a device and more). Caught
+    here rather than when a step first compiles that kernel."""
+    if cfg.kv_cache_dtype != "fp8" or jax.default_backend() != "gpu":
+        return
+    backend = kernels.select(cfg.impl).backend
+    heads = model_cfg.mla.num_heads // cfg.tensor_parallel
+    if backend == "reference" or (backend == "mosaic_gpu" and heads >= MOSAIC_BLOCK_H):
+        return
+    block_bytes = model_cfg.num_layers * cfg.block_size * model_cfg.mla.kv_lora_rank
+    latent = (model_cfg.num_layers * (cfg.num_blocks // cfg.data_parallel), cfg.block_size)
+    try:
+        fp8.check_triton_indexable(
+            jax.ShapeDtypeStruct((*latent, model_cfg.mla.kv_lora_rank), fp8.FP8), "the latent"
+        )
+    except ValueError as err:
+        below = 2**31 // block_bytes * cfg.data_parallel
+        above = (2**32 // block_bytes + 1) * cfg.data_parallel
+        raise ValueError(
+            f"num_blocks {cfg.num_blocks} with kv_cache_dtype='fp8': {err}; take num_blocks "
+            f"<= {below} or >= {above}"
+        ) from None
+
+
 class Engine:
     """Runs requests to completion over a model and its paged latent cache."""
 
@@ -304,6 +334,7 @@ class Engine:
         self.max_rows = self.buckets.decodes(cfg.max_num_seqs) + self.buckets.prefills(
             cfg.prefill_slots
         )
+        _refuse_unindexable_fp8_cache(cfg, self.model_cfg)
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(

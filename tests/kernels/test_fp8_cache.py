@@ -35,6 +35,7 @@ from conftest import rel_err, triton_lowering_without_gpu
 from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_cache
 from mla_jax.checkpoint.loader import load_model
 from mla_jax.checkpoint.tiny import tiny_checkpoint
+from mla_jax.engine import engine as engine_module
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.kernels import decode, fp8, paged
 from mla_jax.model.attention import LayerView
@@ -370,6 +371,29 @@ def test_engine_serves_from_an_fp8_cache(tiny, rng):
     assert got == want and all(len(out) == 24 for out in got)
 
 
+def test_engine_refuses_an_fp8_cache_the_triton_decode_cannot_index(tiny, monkeypatch):
+    """On a GPU with the Triton decode, an FP8 cache whose stacked e4m3 latent fills (2 GiB,
+    4 GiB] is refused when the engine is made, naming num_blocks and the nearest counts that
+    work (a block of every layer: layers x 16 tokens x Lkv bytes); one block fewer than the
+    lower bound's next is taken by the check. Off a GPU, or with the references, nothing is
+    refused (they index it right)."""
+    cfg = tiny.cfg
+    block_bytes = cfg.num_layers * 16 * cfg.mla.kv_lora_rank
+    below, above = 2**31 // block_bytes, 2**32 // block_bytes + 1
+    config = EngineConfig(num_blocks=below + 1, impl="triton", kv_cache_dtype="fp8")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    message = rf"num_blocks {below + 1} with kv_cache_dtype='fp8'.*<= {below} or >= {above}"
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny, config, log=lambda _: None)
+    with pytest.raises(ValueError, match=f"num_blocks {above - 1} "):
+        Engine(tiny, dataclasses.replace(config, num_blocks=above - 1), log=lambda _: None)
+    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, num_blocks=below), cfg)
+    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, num_blocks=above), cfg)
+    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, impl="reference"), cfg)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    engine_module._refuse_unindexable_fp8_cache(config, cfg)
+
+
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int8", "float16", "fp16"])
 def test_unsupported_cache_dtypes_are_refused(name):
     accepted = "accepted are auto, bfloat16, float32, fp8"
@@ -412,3 +436,40 @@ def test_triton_decode_lowers_for_cuda():
         jax.ShapeDtypeStruct((b,), jnp.int32),
     )
     assert "triton" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(("blocks", "refused"), [(65536, False), (65537, True), (131073, False)])
+def test_triton_decode_refuses_wrapping_offsets(blocks, refused):
+    """The Triton decode refuses an FP8 cache whose e4m3 latent fills (2 GiB, 4 GiB] (a
+    stacked cache's ``L x blocks`` as ``LayerView`` passes it): its lowering would index it
+    with 32-bit offsets that wrap past 2 GiB (``fp8.check_triton_indexable``). 65536 pages
+    of 64 x 512 are exactly 2^31 bytes; 131073 are past 2^32 (64-bit offsets). Interpret
+    mode indexes it right and takes it."""
+    b, n, lkv, r, page = 2, 16, 512, 64, 64
+    cache = fp8.Fp8Cache(
+        jax.ShapeDtypeStruct((blocks, page, lkv), fp8.FP8),
+        jax.ShapeDtypeStruct((blocks, page, r), jnp.bfloat16),
+        jax.ShapeDtypeStruct((blocks, page, fp8.num_groups(lkv)), jnp.float32),
+    )
+    args = (
+        jax.ShapeDtypeStruct((b, n, lkv), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, n, r), jnp.bfloat16),
+        cache,
+        jax.ShapeDtypeStruct((b, 4), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+
+    def run(interpret):
+        return jax.eval_shape(
+            lambda q_lat, q_pe, cache, table, lens: decode.mla_decode(
+                q_lat, q_pe, cache, table, lens, scale=0.07, interpret=interpret
+            ),
+            *args,
+        )
+
+    run(True)
+    if refused:
+        with pytest.raises(ValueError, match=r"kv_cache.kv_c float8_e4m3fn\[65537, 64, 512\]"):
+            run(False)
+    else:
+        run(False)

@@ -252,3 +252,131 @@ def test_kernels_lower_for_cuda():
     ):
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
+
+
+def _spread_rows(rng, m: int, k: int) -> jnp.ndarray:
+    """bf16 rows of magnitudes from 1e-8 to 1e8, past float16's range (65504) at the top and
+    in its subnormals at the bottom: the float16 MMA must scale each row into range."""
+    scale = np.logspace(-8, 8, m)[:, None]
+    return jnp.asarray(rng.standard_normal((m, k)) * scale, jnp.bfloat16)
+
+
+def _row_errors(got, want) -> np.ndarray:
+    """Max abs error of each row over that row's max |oracle| (the rows' scales differ by
+    16 orders of magnitude, so one global ratio would only test the largest)."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    return np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_matmul_float16_mma(splits, rng):
+    """``float16_mma``: bf16 x in float16 against e4m3 tiles, the scales on each step's
+    product, every row within bf16's tolerance of float64 whatever its magnitude; a float32 x
+    keeps its exact float32 MMA (the float32 tolerance)."""
+    m, k, n = 21, 100, 72
+    blocks = fp8_blocks.Fp8Blocks(16, 32)
+    weight, scale = _fp8_weight(rng, (k, n), blocks)
+    dense = _numpy_dequantize(weight, scale, blocks)
+    config = fm.Fp8MatmulConfig(16, 32, 16, splits, 4, 2, float16_mma=True)
+    x = _spread_rows(rng, m, k)
+    got = fm.fp8_matmul(x, weight, scale, blocks=blocks, config=config)
+    assert got.dtype == jnp.bfloat16
+    assert _row_errors(got, np.asarray(x, np.float64) @ dense).max() < TOL[jnp.bfloat16]
+    x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    got = fm.fp8_matmul(x32, weight, scale, blocks=blocks, config=config)
+    _check(got, np.asarray(x32, np.float64) @ dense, jnp.float32)
+
+
+def test_grouped_matmul_fp8_float16_mma(rng):
+    """The grouped kernel's ``float16_mma`` on a fused gate_up's two grids, rows of 16 orders
+    of magnitude, padding rows after the groups (0)."""
+    sizes, depth, width = [5, 0, 13, 3], 72, 48
+    blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
+    weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
+    lhs = _spread_rows(rng, sum(sizes) + 2, depth)
+    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, float16_mma=True)
+    got = gm.grouped_matmul(
+        lhs,
+        weight,
+        jnp.asarray(sizes, jnp.int32),
+        rhs_scale_inv=scale,
+        blocks=blocks,
+        config=config,
+    )
+    want, start = np.zeros((sum(sizes), width)), 0
+    for g, size in enumerate(sizes):
+        dense = _numpy_dequantize(weight[g], scale[g], blocks)
+        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
+        start += size
+    assert _row_errors(got[: sum(sizes)], want).max() < TOL[jnp.bfloat16]
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
+
+
+def test_float16_rows_scale_exactly_into_range(rng):
+    """Each row's largest magnitude lands in [2^14, 2^15); the factors undo the scaling
+    exactly (powers of two, bf16's 8 bits inside float16's 11); a zero row stays zero."""
+    from mla_jax.kernels import matmul_steps
+
+    x = np.asarray(_spread_rows(rng, 9, 40), np.float32)
+    x[4] = 0
+    scaled, factors = matmul_steps.float16_rows(jnp.asarray(x, jnp.bfloat16))
+    assert scaled.dtype == jnp.float16 and factors.shape == (9,)
+    top = np.abs(np.asarray(scaled, np.float32)).max(axis=1)
+    live = np.arange(9) != 4
+    assert ((top[live] >= 2**14) & (top[live] < 2**15)).all() and top[4] == 0
+    back = np.asarray(scaled, np.float64) * np.asarray(factors, np.float64)[:, None]
+    kept = np.abs(x) >= 2.0**-29 * np.abs(x).max(axis=1, keepdims=True)
+    np.testing.assert_array_equal(back[kept], x[kept])
+
+
+@pytest.mark.parametrize(
+    ("shape", "refused"),
+    [
+        ((256, 2048, 7168), True),  # V3's FP8 down_proj of one layer: 3.76 GB
+        ((128, 2048, 8192), False),  # exactly 2^31 bytes: offsets below 2^31
+        ((257, 2048, 8192), False),  # above 2^32 bytes: 64-bit offsets
+    ],
+)
+def test_triton_kernels_refuse_wrapping_offsets(shape, refused):
+    """An FP8 operand of (2 GiB, 4 GiB] is refused by the Triton kernels (their lowering
+    would index it with wrapping 32-bit offsets: an H200 read experts past 2^31 bytes from an
+    illegal address), checked at trace time on abstract arrays; interpret mode and the
+    references, which index it right, take it."""
+    blocks = fp8_blocks.Fp8Blocks(128, 128)
+    e, k, n = shape
+    rhs = jax.ShapeDtypeStruct(shape, fp8_blocks.FP8)
+    scales = jax.ShapeDtypeStruct((e, *blocks.scale_shape(k, n)), jnp.float32)
+    lhs = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+
+    def grouped(interpret):
+        return jax.eval_shape(
+            lambda x, w, g, s: gm.grouped_matmul(
+                x, w, g, rhs_scale_inv=s, blocks=blocks, interpret=interpret
+            ),
+            lhs,
+            rhs,
+            sizes,
+            scales,
+        )
+
+    dense_w = jax.ShapeDtypeStruct((e * k, n), fp8_blocks.FP8)
+    dense_s = jax.ShapeDtypeStruct(blocks.scale_shape(e * k, n), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, e * k), jnp.bfloat16)
+
+    def dense(interpret):
+        return jax.eval_shape(
+            lambda x, w, s: fm.fp8_matmul(x, w, s, blocks=blocks, interpret=interpret),
+            x,
+            dense_w,
+            dense_s,
+        )
+
+    for run in (grouped, dense):
+        run(True)
+        if refused:
+            with pytest.raises(ValueError, match=r"within \(2 GiB, 4 GiB\].*32-bit offsets"):
+                run(False)
+        else:
+            run(False)
