@@ -2,7 +2,7 @@
 tile ``[block_m, block_n]`` accumulated in float32 over steps of ``block_k``, the full steps
 unmasked and the partial last one masked, each step's weight tile dequantized in registers
 when the weight is FP8 (``fp8_blocks``); and the float16 MMA over FP8 weights
-(``float16_rows``, ``unscale_rows``)."""
+(``float16_operands``, ``unscale_rows``)."""
 
 from __future__ import annotations
 
@@ -42,17 +42,24 @@ def unscale_rows(acc: jax.Array, row_scale_ref, r0, row_ok: jax.Array) -> jax.Ar
     return acc * factors[:, None]
 
 
-def float16_applies(float16_mma: bool, lhs: jax.Array, blocks, block_k: int) -> bool:
-    """Whether a kernel configured with ``float16_mma`` runs its MMA in float16: over FP8
-    weights (``blocks``), bfloat16 ``lhs`` (a float32 one keeps its exact float32 MMA) and
-    scale blocks a whole number of K steps deep (the scales then go on each step's product,
-    so the converted tile is exact)."""
-    return (
+def float16_operands(
+    float16_mma: bool, lhs: jax.Array, blocks, block_k: int, rows: int
+) -> tuple[jax.Array, tuple]:
+    """``lhs [M, K]`` as a matmul kernel configured with ``float16_mma`` takes it, and its
+    extra operands: ``(float16 lhs, (the [rows] row factors zero-padded,))`` where the MMA
+    runs in float16, else ``(lhs, ())``. It does over FP8 weights (``blocks``), bfloat16
+    ``lhs`` (a float32 one keeps its exact float32 MMA) and scale blocks a whole number of
+    K steps deep (the scales then go on each step's product, so the converted tile is
+    exact)."""
+    if not (
         float16_mma
         and blocks is not None
         and lhs.dtype == jnp.bfloat16
         and blocks.block_in % block_k == 0
-    )
+    ):
+        return lhs, ()
+    lhs, factors = float16_rows(lhs)
+    return lhs, (jnp.pad(factors, (0, rows - factors.shape[0])),)
 
 
 def fit_block(block: int, dim: int) -> int:

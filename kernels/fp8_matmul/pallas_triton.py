@@ -52,7 +52,7 @@ class Fp8MatmulConfig:
     scale_product: bool = False
     swap_ab: bool = False
     # bfloat16 x: the MMA in float16, x scaled per row into its range, the scales on the
-    # product (matmul_steps.float16_rows, float16_applies)
+    # product (matmul_steps.float16_operands)
     float16_mma: bool = False
 
     def __post_init__(self):
@@ -197,17 +197,13 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
     splits = min(config.k_splits, steps)
     steps_per_split = pl.cdiv(steps, splits)
     splits = pl.cdiv(steps, steps_per_split)  # no empty split
-    out_dtype, row_scale = x.dtype, ()
-    float16 = matmul_steps.float16_applies(config.float16_mma, x, blocks, block_k)
-    if float16:
-        x, factors = matmul_steps.float16_rows(x)
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Tiles past an axis are masked.
     tile = matmul_steps.MIN_TILE
     rows = max(m, block_m)
+    out_dtype = x.dtype
+    x, row_scale = matmul_steps.float16_operands(config.float16_mma, x, blocks, block_k, rows)
     x = online_softmax.pad_to(x, (rows, max(k, tile)))
-    if float16:
-        row_scale = (online_softmax.pad_to(factors, (rows,)),)
     weight = online_softmax.pad_to(weight, (max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _fp8_matmul_kernel,
@@ -219,7 +215,7 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         block_k=block_k,
         steps_per_split=steps_per_split,
         blocks=blocks,
-        scale_product=config.scale_product or float16,
+        scale_product=config.scale_product or bool(row_scale),
         swap_ab=config.swap_ab,
     )
     out_shape = (rows, weight.shape[1])

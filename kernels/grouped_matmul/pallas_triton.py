@@ -49,7 +49,7 @@ class GroupedMatmulConfig:
     scale_product: bool = False
     swap_ab: bool = False
     # bfloat16 lhs: the MMA in float16, lhs scaled per row into its range, the scales on the
-    # product (matmul_steps.float16_rows, float16_applies)
+    # product (matmul_steps.float16_operands)
     float16_mma: bool = False
 
     @staticmethod
@@ -308,17 +308,13 @@ def _grouped_matmul(
             xp=jnp,
         )
     block_m = schedule.rows_per_tile
-    out_dtype, row_scale = lhs.dtype, ()
-    float16 = matmul_steps.float16_applies(config.float16_mma, lhs, blocks, block_k)
-    if float16:
-        lhs, factors = matmul_steps.float16_rows(lhs)
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
     rows = max(m, block_m)
     tile = matmul_steps.MIN_TILE
+    out_dtype = lhs.dtype
+    lhs, row_scale = matmul_steps.float16_operands(config.float16_mma, lhs, blocks, block_k, rows)
     lhs = online_softmax.pad_to(lhs, (rows, max(k, tile)))
-    if float16:
-        row_scale = (online_softmax.pad_to(factors, (rows,)),)
     rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _grouped_matmul_kernel,
@@ -329,7 +325,7 @@ def _grouped_matmul(
         block_n=block_n,
         block_k=block_k,
         blocks=blocks,
-        scale_product=config.scale_product or float16,
+        scale_product=config.scale_product or bool(row_scale),
         swap_ab=config.swap_ab,
     )
     scales = () if blocks is None else (rhs_scale_inv,)

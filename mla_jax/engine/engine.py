@@ -41,6 +41,7 @@ from mla_jax.engine.request import Request, RequestError
 from mla_jax.engine.runner import Compiled, ModelRunner, StepOutput, window_tokens
 from mla_jax.engine.scheduler import Scheduled, Scheduler, WindowPlan
 from mla_jax.kernels import fp8
+from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic_decode
 from mla_jax.kernels.decode.pallas_mosaic_gpu import BLOCK_H as MOSAIC_BLOCK_H
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel
@@ -277,25 +278,31 @@ def _median_ms(seconds: list[float]) -> float | None:
     return round(float(np.median(seconds)) * 1e3, 3) if seconds else None
 
 
-def _refuse_unindexable_fp8_cache(cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+def _refuse_unindexable_fp8_cache(cfg: EngineConfig, model_cfg: ModelConfig, dtype) -> None:
     """ValueError (one line, naming ``num_blocks``) for an FP8 cache whose e4m3 latent on a
     device fills (2 GiB, 4 GiB], where the Triton decode kernel would read past 2 GiB from
     the wrong address (``fp8.check_triton_indexable``): on a GPU, when that kernel may run,
-    i.e. unless every decode takes the Mosaic GPU one (64 heads a device and more). Caught
-    here rather than when a step first compiles that kernel."""
+    i.e. unless every decode takes the Mosaic GPU one (64 heads a device and more, in
+    ``dtype``, on pages it runs). Caught here rather than when a step first compiles it."""
     if cfg.kv_cache_dtype != "fp8" or jax.default_backend() != "gpu":
         return
+    mla = model_cfg.mla
+    blocks = cfg.num_blocks // cfg.data_parallel
+    latent = (model_cfg.num_layers * blocks, cfg.block_size, mla.kv_lora_rank)
     backend = kernels.select(cfg.impl).backend
-    heads = model_cfg.mla.num_heads // cfg.tensor_parallel
-    if backend == "reference" or (backend == "mosaic_gpu" and heads >= MOSAIC_BLOCK_H):
+    if backend == "reference":
         return
-    block_bytes = model_cfg.num_layers * cfg.block_size * model_cfg.mla.kv_lora_rank
-    latent = (model_cfg.num_layers * (cfg.num_blocks // cfg.data_parallel), cfg.block_size)
+    if backend == "mosaic_gpu":
+        heads = mla.num_heads // cfg.tensor_parallel
+        rows = jax.ShapeDtypeStruct((1, heads, mla.kv_lora_rank), dtype)
+        rope = jax.ShapeDtypeStruct((1, heads, mla.qk_rope_head_dim), dtype)
+        cache = jax.ShapeDtypeStruct((*latent[:2], mla.cache_width), dtype)
+        if heads >= MOSAIC_BLOCK_H and mosaic_decode.unsupported(rows, rope, cache) is None:
+            return
     try:
-        fp8.check_triton_indexable(
-            jax.ShapeDtypeStruct((*latent, model_cfg.mla.kv_lora_rank), fp8.FP8), "the latent"
-        )
+        fp8.check_triton_indexable(jax.ShapeDtypeStruct(latent, fp8.FP8), "the latent")
     except ValueError as err:
+        block_bytes = model_cfg.num_layers * cfg.block_size * mla.kv_lora_rank
         below = 2**31 // block_bytes * cfg.data_parallel
         above = (2**32 // block_bytes + 1) * cfg.data_parallel
         raise ValueError(
@@ -334,7 +341,7 @@ class Engine:
         self.max_rows = self.buckets.decodes(cfg.max_num_seqs) + self.buckets.prefills(
             cfg.prefill_slots
         )
-        _refuse_unindexable_fp8_cache(cfg, self.model_cfg)
+        _refuse_unindexable_fp8_cache(cfg, self.model_cfg, model.embed_tokens.embedding[...].dtype)
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(

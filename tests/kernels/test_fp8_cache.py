@@ -387,11 +387,17 @@ def test_engine_refuses_an_fp8_cache_the_triton_decode_cannot_index(tiny, monkey
         Engine(tiny, config, log=lambda _: None)
     with pytest.raises(ValueError, match=f"num_blocks {above - 1} "):
         Engine(tiny, dataclasses.replace(config, num_blocks=above - 1), log=lambda _: None)
-    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, num_blocks=below), cfg)
-    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, num_blocks=above), cfg)
-    engine_module._refuse_unindexable_fp8_cache(dataclasses.replace(config, impl="reference"), cfg)
+    engine_module._refuse_unindexable_fp8_cache(
+        dataclasses.replace(config, num_blocks=below), cfg, jnp.bfloat16
+    )
+    engine_module._refuse_unindexable_fp8_cache(
+        dataclasses.replace(config, num_blocks=above), cfg, jnp.bfloat16
+    )
+    engine_module._refuse_unindexable_fp8_cache(
+        dataclasses.replace(config, impl="reference"), cfg, jnp.bfloat16
+    )
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    engine_module._refuse_unindexable_fp8_cache(config, cfg)
+    engine_module._refuse_unindexable_fp8_cache(config, cfg, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "int8", "float16", "fp16"])
@@ -473,3 +479,40 @@ def test_triton_decode_refuses_wrapping_offsets(blocks, refused):
             run(False)
     else:
         run(False)
+
+
+@pytest.mark.parametrize(
+    ("heads", "block_size", "dtype", "refused"),
+    [
+        (128, 64, jnp.bfloat16, False),  # every decode on the Mosaic GPU kernel
+        (16, 64, jnp.bfloat16, True),  # small batches on the Triton one
+        (128, 16, jnp.bfloat16, True),  # pages the Mosaic GPU kernel does not run
+        (128, 64, jnp.float32, True),  # a float32 model: Triton
+    ],
+)
+def test_fp8_cache_refusal_follows_the_hopper_decode(
+    heads, block_size, dtype, refused, monkeypatch
+):
+    """On Hopper (the Mosaic GPU set) the engine refuses the (2 GiB, 4 GiB] FP8 cache only
+    where the Triton decode may run: under 64 heads a device, or where the Mosaic GPU kernel
+    does not run the inputs (``pallas_mosaic_gpu.unsupported``), as ``_hopper_decode`` picks."""
+    from types import SimpleNamespace
+
+    from mla_jax import kernels
+    from mla_jax.kernels import mosaic_gpu
+    from mla_jax.model.config import preset
+
+    mla = dataclasses.replace(preset("deepseek-v3"), num_heads=heads)
+    model_cfg = SimpleNamespace(mla=mla, num_layers=61)
+    block_bytes = 61 * block_size * mla.kv_lora_rank
+    config = EngineConfig(
+        block_size=block_size, num_blocks=2**31 // block_bytes + 1, kv_cache_dtype="fp8"
+    )
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels, "select", lambda impl: kernels.MOSAIC_GPU)
+    monkeypatch.setattr(mosaic_gpu, "device_unsupported", lambda: None)
+    if refused:
+        with pytest.raises(ValueError, match="with kv_cache_dtype='fp8'"):
+            engine_module._refuse_unindexable_fp8_cache(config, model_cfg, dtype)
+    else:
+        engine_module._refuse_unindexable_fp8_cache(config, model_cfg, dtype)
