@@ -204,6 +204,18 @@ def _run(attn, x, cache, md, impl):
     return attn(x, cache, md, impl=impl)
 
 
+def refused_only_compiled(run, refused: bool, match: str) -> None:
+    """``run(interpret)`` (a kernel call traced on abstract arrays) goes through in
+    interpret mode, and compiled raises ValueError matching ``match`` if ``refused``, else
+    goes through too."""
+    run(True)
+    if refused:
+        with pytest.raises(ValueError, match=match):
+            run(False)
+    else:
+        run(False)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

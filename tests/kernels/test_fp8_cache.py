@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_decode_kernel as bf16_tests
-from conftest import rel_err, triton_lowering_without_gpu
+from conftest import refused_only_compiled, rel_err, triton_lowering_without_gpu
 
 from mla_jax.cache.latent_cache import PAD_SLOT, cache_dtype, init_cache, write_cache
 from mla_jax.checkpoint.loader import load_model
@@ -422,26 +422,32 @@ def test_triton_decode_lowers_for_cuda():
     """The Triton decode over an FP8 cache, lowered for a GPU on any machine (interpret mode
     runs its ops as jnp, so only a lowering meets Pallas' Triton rules there); Triton's
     compile needs the GPU."""
-    b, n, lkv, r, page = 2, 16, 512, 64, 64
-    config = decode.DecodeConfig.for_shape(n, b)
-    cache = fp8.Fp8Cache(
-        jax.ShapeDtypeStruct((8, page, lkv), fp8.FP8),
-        jax.ShapeDtypeStruct((8, page, r), jnp.bfloat16),
-        jax.ShapeDtypeStruct((8, page, fp8.num_groups(lkv)), jnp.float32),
-    )
+    config = decode.DecodeConfig.for_shape(16, 2)
     f = jax.jit(
         lambda q_lat, q_pe, cache, table, lens: decode.mla_decode(
             q_lat, q_pe, cache, table, lens, scale=0.07, config=config, interpret=False
         )
     )
-    args = (
+    args = _abstract_decode_args(blocks=8)
+    assert "triton" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract_decode_args(blocks: int, b: int = 2, n: int = 16) -> tuple:
+    """Abstract ``mla_decode`` arguments over an FP8 cache of ``blocks`` pages of 64 tokens
+    (DeepSeek's 512 + 64), ``b`` requests of ``n`` heads, tables 4 pages wide."""
+    lkv, r, page = 512, 64, 64
+    cache = fp8.Fp8Cache(
+        jax.ShapeDtypeStruct((blocks, page, lkv), fp8.FP8),
+        jax.ShapeDtypeStruct((blocks, page, r), jnp.bfloat16),
+        jax.ShapeDtypeStruct((blocks, page, fp8.num_groups(lkv)), jnp.float32),
+    )
+    return (
         jax.ShapeDtypeStruct((b, n, lkv), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, n, r), jnp.bfloat16),
         cache,
         jax.ShapeDtypeStruct((b, 4), jnp.int32),
         jax.ShapeDtypeStruct((b,), jnp.int32),
     )
-    assert "triton" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize(("blocks", "refused"), [(65536, False), (65537, True), (131073, False)])
@@ -451,34 +457,16 @@ def test_triton_decode_refuses_wrapping_offsets(blocks, refused):
     with 32-bit offsets that wrap past 2 GiB (``fp8.check_triton_indexable``). 65536 pages
     of 64 x 512 are exactly 2^31 bytes; 131073 are past 2^32 (64-bit offsets). Interpret
     mode indexes it right and takes it."""
-    b, n, lkv, r, page = 2, 16, 512, 64, 64
-    cache = fp8.Fp8Cache(
-        jax.ShapeDtypeStruct((blocks, page, lkv), fp8.FP8),
-        jax.ShapeDtypeStruct((blocks, page, r), jnp.bfloat16),
-        jax.ShapeDtypeStruct((blocks, page, fp8.num_groups(lkv)), jnp.float32),
-    )
-    args = (
-        jax.ShapeDtypeStruct((b, n, lkv), jnp.bfloat16),
-        jax.ShapeDtypeStruct((b, n, r), jnp.bfloat16),
-        cache,
-        jax.ShapeDtypeStruct((b, 4), jnp.int32),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-    )
 
     def run(interpret):
         return jax.eval_shape(
             lambda q_lat, q_pe, cache, table, lens: decode.mla_decode(
                 q_lat, q_pe, cache, table, lens, scale=0.07, interpret=interpret
             ),
-            *args,
+            *_abstract_decode_args(blocks),
         )
 
-    run(True)
-    if refused:
-        with pytest.raises(ValueError, match=r"kv_cache.kv_c float8_e4m3fn\[65537, 64, 512\]"):
-            run(False)
-    else:
-        run(False)
+    refused_only_compiled(run, refused, r"kv_cache.kv_c float8_e4m3fn\[65537, 64, 512\]")
 
 
 @pytest.mark.parametrize(

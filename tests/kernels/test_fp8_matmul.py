@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import triton_lowering_without_gpu
+from conftest import refused_only_compiled, triton_lowering_without_gpu
 
 from mla_jax.kernels import fp8_blocks, tuned
 from mla_jax.kernels import fp8_matmul as fm
@@ -60,10 +60,36 @@ def _fp8_weight(rng, shape, blocks: fp8_blocks.Fp8Blocks):
     return jnp.asarray(weight), jnp.asarray(scale, jnp.float32)
 
 
+def _grouped_oracle(lhs, weight, scale, sizes, blocks) -> np.ndarray:
+    """float64 ``[sum(sizes), N]``: each group's rows of ``lhs`` times its dequantized
+    weight."""
+    want, start = np.zeros((sum(sizes), weight.shape[-1])), 0
+    for g, size in enumerate(sizes):
+        dense = _numpy_dequantize(weight[g], scale[g], blocks)
+        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
+        start += size
+    return want
+
+
 def _check(got, want, dtype):
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() / np.abs(want).max() < TOL[dtype]
+
+
+def _spread_rows(rng, m: int, k: int) -> jnp.ndarray:
+    """bf16 rows of magnitudes from 1e-8 to 1e8, past float16's range (65504) at the top and
+    in its subnormals at the bottom: the float16 MMA must scale each row into range."""
+    scale = np.logspace(-8, 8, m)[:, None]
+    return jnp.asarray(rng.standard_normal((m, k)) * scale, jnp.bfloat16)
+
+
+def _row_errors(got, want) -> np.ndarray:
+    """Max abs error of each row over that row's max |oracle| (the rows' scales differ by
+    16 orders of magnitude, so one global ratio would only test the largest)."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    return np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
 
 
 # (M, K, N, blocks (bo, bi, parts), config): DeepSeek's 128 x 128 on a K that is no
@@ -146,15 +172,30 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_grouped_matmul_fp8_scale_product(swap_ab, rng):
-    """FP8 experts with the scales on each step's product (and the weight tile as the left
-    operand), a K that is no multiple of the step, a fused gate_up's two grids."""
+@pytest.mark.parametrize("variant", ["scale_product", "swap_ab", "float16_mma"])
+def test_grouped_matmul_fp8_variants(variant, rng):
+    """FP8 experts with the scales on each step's product: the tile only converted, or also
+    as the MMA's left operand, or in float16 against bf16 rows of 16 orders of magnitude
+    (each row within bf16's tolerance of float64); a K that is no multiple of the step, a
+    fused gate_up's two grids, padding rows after the groups (0)."""
     sizes, depth, width = [5, 0, 19, 3], 72, 48
     blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
     weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
-    lhs = jnp.asarray(rng.standard_normal((sum(sizes), depth)), jnp.float32)
-    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, scale_product=True, swap_ab=swap_ab)
+    rows = sum(sizes) + 2
+    if variant == "float16_mma":
+        dtype, lhs = jnp.bfloat16, _spread_rows(rng, rows, depth)
+    else:
+        dtype, lhs = jnp.float32, jnp.asarray(rng.standard_normal((rows, depth)), jnp.float32)
+    config = gm.GroupedMatmulConfig(
+        16,
+        16,
+        16,
+        4,
+        2,
+        scale_product=variant != "float16_mma",
+        swap_ab=variant == "swap_ab",
+        float16_mma=variant == "float16_mma",
+    )
     got = gm.grouped_matmul(
         lhs,
         weight,
@@ -163,12 +204,9 @@ def test_grouped_matmul_fp8_scale_product(swap_ab, rng):
         blocks=blocks,
         config=config,
     )
-    want, start = np.zeros((sum(sizes), width)), 0
-    for g, size in enumerate(sizes):
-        dense = _numpy_dequantize(weight[g], scale[g], blocks)
-        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
-        start += size
-    _check(got, want, jnp.float32)
+    want = _grouped_oracle(lhs, weight, scale, sizes, blocks)
+    assert _row_errors(got[: sum(sizes)], want).max() < TOL[dtype]
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
 
 def test_fastest_picks_by_rows(monkeypatch):
@@ -254,21 +292,6 @@ def test_kernels_lower_for_cuda():
         assert "triton" in lowered.as_text()
 
 
-def _spread_rows(rng, m: int, k: int) -> jnp.ndarray:
-    """bf16 rows of magnitudes from 1e-8 to 1e8, past float16's range (65504) at the top and
-    in its subnormals at the bottom: the float16 MMA must scale each row into range."""
-    scale = np.logspace(-8, 8, m)[:, None]
-    return jnp.asarray(rng.standard_normal((m, k)) * scale, jnp.bfloat16)
-
-
-def _row_errors(got, want) -> np.ndarray:
-    """Max abs error of each row over that row's max |oracle| (the rows' scales differ by
-    16 orders of magnitude, so one global ratio would only test the largest)."""
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all()
-    return np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
-
-
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_matmul_float16_mma(splits, rng):
     """``float16_mma``: bf16 x in float16 against e4m3 tiles, the scales on each step's
@@ -286,31 +309,6 @@ def test_fp8_matmul_float16_mma(splits, rng):
     x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     got = fm.fp8_matmul(x32, weight, scale, blocks=blocks, config=config)
     _check(got, np.asarray(x32, np.float64) @ dense, jnp.float32)
-
-
-def test_grouped_matmul_fp8_float16_mma(rng):
-    """The grouped kernel's ``float16_mma`` on a fused gate_up's two grids, rows of 16 orders
-    of magnitude, padding rows after the groups (0)."""
-    sizes, depth, width = [5, 0, 13, 3], 72, 48
-    blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
-    weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
-    lhs = _spread_rows(rng, sum(sizes) + 2, depth)
-    config = gm.GroupedMatmulConfig(16, 16, 16, 4, 2, float16_mma=True)
-    got = gm.grouped_matmul(
-        lhs,
-        weight,
-        jnp.asarray(sizes, jnp.int32),
-        rhs_scale_inv=scale,
-        blocks=blocks,
-        config=config,
-    )
-    want, start = np.zeros((sum(sizes), width)), 0
-    for g, size in enumerate(sizes):
-        dense = _numpy_dequantize(weight[g], scale[g], blocks)
-        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
-        start += size
-    assert _row_errors(got[: sum(sizes)], want).max() < TOL[jnp.bfloat16]
-    np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
 
 def test_float16_rows_scale_exactly_into_range(rng):
@@ -374,9 +372,4 @@ def test_triton_kernels_refuse_wrapping_offsets(shape, refused):
         )
 
     for run in (grouped, dense):
-        run(True)
-        if refused:
-            with pytest.raises(ValueError, match=r"within \(2 GiB, 4 GiB\].*32-bit offsets"):
-                run(False)
-        else:
-            run(False)
+        refused_only_compiled(run, refused, r"within \(2 GiB, 4 GiB\].*32-bit offsets")
