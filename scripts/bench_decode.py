@@ -400,12 +400,18 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
 
 
 # Compile options of the Mosaic GPU kernel, each on top of the defaults.
-MOSAIC_SWEEP = [{}, dict(lazy_rescale=False), dict(auto_barriers=True), dict(approx_math=False)]
+MOSAIC_SWEEP = [
+    {},
+    dict(lazy_rescale=False),
+    dict(auto_barriers=True),
+    dict(approx_math=False),
+    dict(float16_mma=False),
+]
 
 
 def _mosaic_trials(rng, sizes: Sizes) -> list:
     """``sweep`` trials of MOSAIC_SWEEP on ``sizes.mosaic_sweep_cases`` (Triton timed beside
-    the defaults, and the FP8 cache)."""
+    the defaults; the FP8 cache beside the defaults and its float16 MMA off)."""
     lens_of = dict(sizes.cases)
     return [
         (
@@ -419,7 +425,7 @@ def _mosaic_trials(rng, sizes: Sizes) -> list:
                 sizes,
                 v,
                 with_triton=not v,
-                with_fp8=not v,
+                with_fp8=not v or "float16_mma" in v,  # (an FP8-only option)
             ),
         )
         for n, labels in sizes.mosaic_sweep_cases

@@ -30,10 +30,13 @@ block-table entry past ``cdiv(seq_len, 64)`` is read.
 
 Over an FP8 cache (``fp8.Fp8Cache``) the same kernel (a static variant) copies each page's
 e4m3 latent and bf16 rope by TMA, two pages deep, and at the start of a page both
-warpgroups dequantize it into one bf16 page in shared memory, each the half of the columns
-its products use: e4m3 -> float32 times the token's power-of-two scale (loaded from global
-memory a page ahead) -> bf16, exact, with the rows past the item's end written as zeros.
-The wgmmas then run as over a bf16 cache (wgmma has no bf16 x fp8 form).
+warpgroups dequantize it into one float16 page in shared memory, each the half of the
+columns its products use: e4m3 -> float16 times the token's power-of-two scale (loaded from
+global memory a page ahead), exact in float16's range, with the rows past the item's end
+written as zeros. The latent wgmmas then run in float16, the queries scaled per row into
+float16's range and the scores scaled back (``MosaicDecodeConfig.float16_mma``; off, the
+page is bf16 through float32, as the queries); the rope wgmma stays bf16 (wgmma has no
+16-bit x fp8 form).
 
 Runs on sm90 with page 64, bf16 (or an FP8 cache with bf16 rope), ``Lkv`` a multiple of 128
 and ``R == 64``; ``mla_decode`` hands anything else to the Triton kernel (logged once per
@@ -49,11 +52,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import fp8, mosaic_gpu, online_softmax
+from .. import fp8, matmul_steps, mosaic_gpu, online_softmax
 from . import pallas_triton
 
 log = logging.getLogger(__name__)
@@ -81,11 +85,38 @@ class MosaicDecodeConfig:
       ``online_softmax.RESCALE_SLACK``, and a warp rescales its rows of the accumulator
       (128 registers a thread) only after a chunk that moved one of them (off: the exact
       online softmax, a rescale every chunk).
+    float16_mma: over an FP8 cache, the latent wgmmas in float16 instead of bfloat16: the
+      e4m3 pages convert in one instruction a pair (three into bf16) and take their
+      power-of-two scales in float16; each query row is scaled by the power of two that
+      puts it into float16's range (exact, ``matmul_steps.float16_rows``) and its scores are
+      scaled back in the softmax; the probabilities are float16 (11 bits where bf16 has 8:
+      out's error against float64 about 2.4x lower). The pages are exact for scales up to
+      ``FLOAT16_MAX_SCALE`` (a group's largest magnitude up to ``FLOAT16_MAX_LATENT``)
+      and down to 2^-15; smaller scales round e4m3's smallest values in float16's
+      subnormals (an absolute error of at most 2^-25). ``mla_decode`` takes the bf16 MMA
+      where concrete scales exceed the range; the engine refuses a model whose latent can
+      (``float16_latent_bound``).
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
     lazy_rescale: bool = True
+    float16_mma: bool = True
+
+
+# The largest scale float16_mma's pages hold: e4m3's largest value 448 x 2^7 = 57344 is below
+# float16's 65504 (x 2^8 would overflow), i.e. groups whose largest magnitude is at most
+# FLOAT16_MAX_LATENT (``fp8.quantize`` takes the smallest power of two above amax / 448).
+FLOAT16_MAX_SCALE = 2.0**7
+FLOAT16_MAX_LATENT = fp8.E4M3_MAX * FLOAT16_MAX_SCALE
+
+
+def float16_latent_bound(norm_weight_max: float, kv_lora_rank: int) -> float:
+    """The largest magnitude an RMS-normalised latent can reach (DeepSeek's ``kv_c`` is
+    ``kv_a_layernorm``'s output): ``|x_i| / rms(x) <= sqrt(kv_lora_rank)`` times the norm's
+    largest weight, with two bf16 roundings (the normalised value and the product). At most
+    ``FLOAT16_MAX_LATENT``: every scale of its FP8 cache is in float16_mma's range."""
+    return norm_weight_max * math.sqrt(kv_lora_rank) * (1 + 2.0**-8) ** 2
 
 
 def padded_heads(num_heads: int) -> int:
@@ -190,6 +221,14 @@ def mla_decode(
     pallas_triton._check_values(kv_cache, block_table, seq_lens)
     if interpret is None:
         interpret = online_softmax.interpret_default()
+    config = config or MosaicDecodeConfig()
+    if config.float16_mma and _scales_past_float16(kv_cache):
+        mosaic_gpu.log_once(
+            log,
+            f"mla_decode: FP8 cache scales above {FLOAT16_MAX_SCALE:g} (latents past "
+            f"{FLOAT16_MAX_LATENT:g}) overflow float16: the latent wgmmas run in bf16",
+        )
+        config = dataclasses.replace(config, float16_mma=False)
     heads = padded_heads(n)
     combine_config = combine_config or triton_config
     combine_config = dataclasses.replace(
@@ -205,10 +244,18 @@ def mla_decode(
         seq_lens,
         schedule,
         scale=scale,
-        config=config or MosaicDecodeConfig(),
+        config=config,
         combine_config=combine_config,
         interpret=interpret,
     )
+
+
+def _scales_past_float16(kv_cache) -> bool:
+    """Whether a concrete FP8 cache holds a scale float16_mma's pages cannot hold (under a
+    jit trace the values are unknown: the engine checks the model's bound instead)."""
+    if not isinstance(kv_cache, fp8.Fp8Cache) or isinstance(kv_cache.scales, jax.core.Tracer):
+        return False
+    return bool(np.nanmax(np.asarray(kv_cache.scales), initial=0.0) > FLOAT16_MAX_SCALE)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "combine_config", "interpret"))
@@ -233,10 +280,19 @@ def _mla_decode(
         schedule = pallas_triton._whole_requests(seq_lens)
     programs = schedule.prog_items.shape[0] - 1
     items = schedule.item_req.shape[0]
+    row_factors = None
+    if config.float16_mma and isinstance(kv_cache, fp8.Fp8Cache):
+        # Each query row (and its rope part, which stays bf16) times the power of two that
+        # puts the row into float16's range; the kernel scales its scores back.
+        q_lat, row_factors = matmul_steps.float16_rows(q_lat.reshape(b * heads, lkv))
+        q_lat = q_lat.reshape(b, heads, lkv)
+        row_factors = row_factors.reshape(b, heads)
+        q_pe = (q_pe.astype(jnp.float32) / row_factors[..., None]).astype(q_pe.dtype)
     out, lse, o_part, lse_part = _decode_call(
         q_lat,
         q_pe,
         kv_cache,
+        row_factors,
         block_table,
         schedule,
         scale=scale,
@@ -261,6 +317,7 @@ def _decode_call(
     q_lat,
     q_pe,
     kv_cache,
+    row_factors,
     block_table,
     schedule,
     *,
@@ -271,9 +328,12 @@ def _decode_call(
     interpret,
 ):
     """The split-KV kernel: ``(out, lse)`` of the items that cover a request whole, the
-    float32 partials ``(o_part, lse_part)`` of the others."""
+    float32 partials ``(o_part, lse_part)`` of the others. ``row_factors [B, heads]``
+    float32 (or None): what undoes the float16 queries' scaling (``float16_mma``)."""
     b, heads, lkv = q_lat.shape
     quantized = isinstance(kv_cache, fp8.Fp8Cache)
+    # The latent wgmmas' operands (queries, pages, probabilities): float16 under float16_mma.
+    mma_dtype = q_lat.dtype
     # 64-byte swizzle everywhere: a wgmma's operands share one swizzle, and the product
     # of a chunk's probabilities [64, 32] with its values has a 64-byte (K = 32) A row.
     swizzled = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(64))
@@ -288,14 +348,16 @@ def _decode_call(
     else:
         fp8_scratch = {}
     scratch = dict(
-        q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), bf16, transforms=swizzled),
+        q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), mma_dtype, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
-        kv_smem=plgpu.SMEM((1 if quantized else NUM_SLOTS, PAGE, lkv), bf16, transforms=swizzled),
+        kv_smem=plgpu.SMEM(
+            (1 if quantized else NUM_SLOTS, PAGE, lkv), mma_dtype, transforms=swizzled
+        ),
         # A chunk's probabilities [64, CHUNK] take the bytes of its rope rows [CHUNK, 64]:
         # those are read only by the chunk's own scores, which come first.
         pe_or_probs=plgpu.RefUnion(
             plgpu.SMEM((NUM_SLOTS, PAGE, ROPE), bf16, transforms=swizzled),
-            plgpu.SMEM((NUM_SLOTS, NUM_WARPGROUPS, BLOCK_H, CHUNK), bf16, transforms=swizzled),
+            plgpu.SMEM((NUM_SLOTS, NUM_WARPGROUPS, BLOCK_H, CHUNK), mma_dtype, transforms=swizzled),
         ),
         m_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
         l_smem=plgpu.SMEM((2, NUM_WARPGROUPS, BLOCK_H), jnp.float32),
@@ -312,10 +374,11 @@ def _decode_call(
             _kernel,
             scale=scale,
             lazy_rescale=config.lazy_rescale,
+            float16_scores=row_factors is not None,
             interpret=bool(interpret),
         ),
         out_type=(
-            jax.ShapeDtypeStruct((b, heads, lkv), q_lat.dtype),
+            jax.ShapeDtypeStruct((b, heads, lkv), q_pe.dtype),  # (q_lat may be float16)
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
             jax.ShapeDtypeStruct((items, heads, lkv), jnp.float32),
             jax.ShapeDtypeStruct((items, heads), jnp.float32),
@@ -337,6 +400,7 @@ def _decode_call(
         q_lat,
         q_pe,
         *jax.tree.leaves(kv_cache),
+        *([] if row_factors is None else [row_factors]),
     )
 
 
@@ -349,7 +413,7 @@ def _kernel(
     block_table_ref,
     q_lat_ref,
     q_pe_ref,
-    *cache_and_out_refs,
+    *cache_factors_and_out_refs,
     q_lat_smem,
     q_pe_smem,
     kv_smem,
@@ -364,6 +428,7 @@ def _kernel(
     l_ready,
     scale,
     lazy_rescale,
+    float16_scores,
     interpret,
     fp8_smem=None,
     dq_ready=None,
@@ -371,9 +436,16 @@ def _kernel(
     """One program (a block of 64 heads x a share of the batch's tokens) on two warpgroups;
     the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``): the
     cache is one bf16 ref ``[blocks, 64, Lkv + R]`` or an FP8 cache's three (``kv_c``,
-    ``k_pe``, ``scales``), which come with ``fp8_smem`` and ``dq_ready``."""
-    *cache_refs, out_ref, lse_ref, o_part_ref, lse_part_ref = cache_and_out_refs
+    ``k_pe``, ``scales``), which come with ``fp8_smem`` and ``dq_ready``; with
+    ``float16_scores`` the queries' row factors ``[B, heads]`` follow the cache."""
     quantized = fp8_smem is not None
+    *inputs, out_ref, lse_ref, o_part_ref, lse_part_ref = cache_factors_and_out_refs
+    cache_refs = inputs[: 3 if quantized else 1]
+    page_dtype = kv_smem.dtype
+    # What an FP8 page is converted in before its scales multiply it: float16 is e4m3's
+    # one-instruction conversion and exact for its products with power-of-two scales (in
+    # range); bf16 pages go through float32.
+    convert_dtype = jnp.float16 if page_dtype == jnp.float16 else jnp.float32
     lkv = q_lat_smem.shape[-1]
     pe_smem, p_smem = pe_or_probs
     half_width = lkv // NUM_WARPGROUPS
@@ -426,6 +498,13 @@ def _kernel(
 
         def item(i, pages_done):
             req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
+            if float16_scores:
+                # Undoes the float16 queries' power-of-two row scaling in the softmax.
+                score_scale = log2_scale * plgpu.load(
+                    inputs[-1].at[req, heads], layout=row_layout, optimized=False
+                )
+            else:
+                score_scale = log2_scale
             first_page = start // PAGE
             last_page = jnp.maximum(end - 1, 0) // PAGE
             pages = jnp.where(end > start, last_page - first_page + 1, 0)
@@ -504,10 +583,13 @@ def _kernel(
 
             def page_scales(k):
                 """The scales of page ``k`` of the item for our groups, one ``[64]`` row
-                vector each, loaded from global memory (a page ahead of their use)."""
+                vector each in the dtype the page is converted in, loaded from global
+                memory (a page ahead of their use)."""
                 block = block_table_ref[req, first_page + k]
                 return tuple(
-                    plgpu.load(cache_refs[2].at[block, :, g], layout=row_layout, optimized=False)
+                    plgpu.load(
+                        cache_refs[2].at[block, :, g], layout=row_layout, optimized=False
+                    ).astype(convert_dtype)
                     for g in groups
                 )
 
@@ -527,12 +609,12 @@ def _kernel(
                         columns = pl.ds(first, SWIZZLE_COLUMNS)
                         values = plgpu.load(
                             fp8_smem.at[slot, :, columns], layout=wgmma_layout, optimized=False
-                        ).astype(jnp.float32)
+                        ).astype(convert_dtype)
                         factor = scales[groups.index(first // fp8.GROUP)]
                         values = values * lax.broadcast_in_dim(factor, values.shape, [0])
                         if past_end:
                             values = jnp.where(valid, values, 0)
-                        latent[:, columns] = values.astype(jnp.bfloat16)
+                        latent[:, columns] = values.astype(page_dtype)
 
                 past_end = last_page_cut(k)
                 pl.when(past_end)(functools.partial(convert, True))
@@ -558,16 +640,20 @@ def _kernel(
                 # registers are needed in that branch alone.
                 boundary = (first_token < start) | (first_token + CHUNK > end)
                 s = lax.cond(boundary, mask, lambda s: s, s)
-                row_max = s.max(axis=1) * log2_scale
+                row_max = s.max(axis=1) * score_scale
                 if lazy_rescale:
                     m_new = online_softmax.lazy_maximum(m_prev, row_max)
                 else:
                     m_new = jnp.maximum(m_prev, row_max)
                 subtracted = lax.broadcast_in_dim(online_softmax.finite(m_new), s.shape, [0])
-                probs = jnp.exp2(s * log2_scale - subtracted)
+                if float16_scores:
+                    s = s * lax.broadcast_in_dim(score_scale, s.shape, [0])
+                else:
+                    s = s * log2_scale
+                probs = jnp.exp2(s - subtracted)
                 alpha = online_softmax.rescale_factor(m_prev, m_new)
                 l = l * alpha + probs.sum(axis=1)
-                p_smem[slot, w] = probs.astype(jnp.bfloat16)
+                p_smem[slot, w] = probs.astype(page_dtype)
                 m_smem[w] = m_new
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[w])
@@ -649,7 +735,7 @@ def _kernel(
             if quantized:
                 # The first page's scales (no table entry is read for an empty item).
                 zeros = tuple(
-                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
+                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), convert_dtype), row_layout)
                     for _ in groups
                 )
                 scales = lax.cond(pages > 0, lambda: page_scales(0), lambda: zeros)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.cache.block_manager import BlockManager
@@ -311,6 +312,35 @@ def _refuse_unindexable_fp8_cache(cfg: EngineConfig, model_cfg: ModelConfig, dty
         ) from None
 
 
+def _refuse_float16_overflow(cfg: EngineConfig, model: DeepseekModel) -> None:
+    """ValueError (one line) for an FP8 cache the Mosaic GPU decode's float16 wgmmas could
+    overflow: where the model's ``kv_a_layernorm`` weights let a latent value pass
+    ``FLOAT16_MAX_LATENT`` (``float16_latent_bound``; DeepSeek's weights stay far below).
+    Checked when the engine is made, since under the step's jit the cache's scales are not
+    known."""
+    if cfg.kv_cache_dtype != "fp8" or kernels.select(cfg.impl).backend != "mosaic_gpu":
+        return
+    if not mosaic_decode.MosaicDecodeConfig().float16_mma:
+        return
+    weights = [
+        node.weight[...]
+        for path, node in nnx.iter_graph(model)
+        if path and path[-1] == "kv_a_layernorm"
+    ]
+    largest = max(float(jax.numpy.max(jax.numpy.abs(w))) for w in weights)
+    rank = model.cfg.mla.kv_lora_rank
+    bound, limit = (
+        mosaic_decode.float16_latent_bound(largest, rank),
+        mosaic_decode.FLOAT16_MAX_LATENT,
+    )
+    if bound > limit:
+        raise ValueError(
+            f"kv_cache_dtype='fp8': kv_a_layernorm weights up to {largest:g} let the latent "
+            f"reach {bound:g} (sqrt({rank}) x the weight), past {limit:g}, which the Mosaic "
+            "GPU decode's float16 wgmmas hold; use kv_cache_dtype='auto'"
+        )
+
+
 class Engine:
     """Runs requests to completion over a model and its paged latent cache."""
 
@@ -342,6 +372,7 @@ class Engine:
             cfg.prefill_slots
         )
         _refuse_unindexable_fp8_cache(cfg, self.model_cfg, model.embed_tokens.embedding[...].dtype)
+        _refuse_float16_overflow(cfg, model)
         mesh = cache_sharding = None
         if cfg.tensor_parallel > 1 or cfg.data_parallel > 1:
             sharding.check_divisible(

@@ -167,13 +167,14 @@ def test_deepseek_dims(rng):
     tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
     reason="compiled on jax 0.11 only (0.12's lowering refuses the output stores)",
 )
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8", "fp8-float16"])
 @pytest.mark.parametrize("n", [16, 128])
-def test_lowers_for_sm90(n, quantized):
+def test_lowers_for_sm90(n, cache_kind):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
-    all but a few KB of it, with either cache) are checked there; only ptxas and the run
-    need the GPU."""
+    all but a few KB of it, with either cache, and with float16 wgmmas over FP8) are
+    checked there; only ptxas and the run need the GPU."""
+    quantized, float16 = cache_kind != "bf16", cache_kind == "fp8-float16"
     b, heads, lkv = 4, mosaic.padded_heads(n), 512
     lens = np.array([300, 64, 1, 0])
     schedule = pallas_triton.schedule_splits(
@@ -181,10 +182,11 @@ def test_lowers_for_sm90(n, quantized):
     )
     schedule = jax.tree.map(jnp.asarray, schedule)
     f = jax.jit(
-        lambda q_lat, q_pe, cache, table, schedule: mosaic._decode_call(
+        lambda q_lat, q_pe, cache, row_factors, table, schedule: mosaic._decode_call(
             q_lat,
             q_pe,
             cache,
+            row_factors,
             table,
             schedule,
             scale=0.07,
@@ -204,9 +206,10 @@ def test_lowers_for_sm90(n, quantized):
     else:
         cache = jax.ShapeDtypeStruct((*page, lkv + mosaic.ROPE), BF16)
     args = (
-        jax.ShapeDtypeStruct((b, heads, lkv), BF16),
+        jax.ShapeDtypeStruct((b, heads, lkv), jnp.float16 if float16 else BF16),
         jax.ShapeDtypeStruct((b, heads, mosaic.ROPE), BF16),
         cache,
+        jax.ShapeDtypeStruct((b, heads), jnp.float32) if float16 else None,
         jax.ShapeDtypeStruct((b, 8), jnp.int32),
     )
     lowered = f.trace(*args, schedule).lower(lowering_platforms=("cuda",))
@@ -289,7 +292,9 @@ def test_one_request_among_padding_rows_compiled(rng, n):
 FP8_OUT_TOL, FP8_LSE_RTOL = 3e-3, 1e-6
 
 
-def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE):
+def _check_fp8(
+    rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE, config=None
+):
     args, dequantized = fp8_tests._fp8_case(rng, lens, n=n, lkv=lkv, r=mosaic.ROPE, block_size=64)
     q_lat, q_pe, cache, table, lens = args
     if programs is not None:
@@ -308,6 +313,7 @@ def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_
         jnp.asarray(lens),
         scale=scale,
         schedule=schedule,
+        config=config,
     )
     want = bf16_tests._expected(q_lat, q_pe, dequantized, table, lens, scale)
     out, lse = (np.asarray(jnp.asarray(a, jnp.float32)) for a in got)
@@ -319,18 +325,29 @@ def _check_fp8(rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_
     return schedule
 
 
+# The FP8 cache's latent wgmmas in bf16 (the default) and in float16 (``float16_mma``).
+MMA_CONFIGS = [
+    pytest.param(mosaic.MosaicDecodeConfig(float16_mma=False), id="bf16-mma"),
+    pytest.param(None, id="float16-mma"),  # the default
+]
+
+
+@pytest.mark.parametrize("config", MMA_CONFIGS)
 @pytest.mark.parametrize("n", [16, 64, 128])
-def test_fp8_heads_lengths_and_splits(rng, n):
+def test_fp8_heads_lengths_and_splits(rng, n, config):
     """test_heads_lengths_and_splits over the FP8 cache, Lkv 256: two scale groups, one in
     each warpgroup's half of the columns; 16 heads padded to the 64-row tile."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
-    _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4)
+    _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4, config=config)
 
 
-def test_fp8_items_starting_inside_a_page(rng):
+@pytest.mark.parametrize("config", MMA_CONFIGS)
+def test_fp8_items_starting_inside_a_page(rng, config):
     """A plan in 32-token steps: items start mid-page and end mid-page, an item's pages
     dequantized with its own end (and the next item's first page after it)."""
-    schedule = _check_fp8(rng, [300, 97], n=16, lkv=128, scale=0.2, programs=7, block_k=32)
+    schedule = _check_fp8(
+        rng, [300, 97], n=16, lkv=128, scale=0.2, programs=7, block_k=32, config=config
+    )
     assert (np.asarray(schedule.item_start) % mosaic.PAGE != 0).any()
 
 
@@ -342,21 +359,50 @@ def test_fp8_deepseek_dims(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", MMA_CONFIGS)
 @pytest.mark.parametrize("n", [16, 64, 128])
-def test_fp8_deepseek_scale_compiled(rng, n):
+def test_fp8_deepseek_scale_compiled(rng, n, config):
     """test_deepseek_scale_compiled over the FP8 cache: a ragged batch of 64 requests up to
     4096 tokens on the kernel's own program count (GPU only)."""
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
-    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n))
+    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n), config=config)
 
 
-def test_fp8_single_keys_give_dequantized_rows_exactly(rng):
-    """Every finite e4m3 value, with scales from 2^-20 to 2^20, read back through one-key
-    softmaxes: the in-kernel dequantization (on the WGMMA layout's registers, times the
-    scale rows) is exact, as the interpreter and the GPU compute it."""
-    args, want = fp8_tests.single_token_case(rng, n=16, lkv=512, r=mosaic.ROPE)
+@pytest.mark.parametrize(
+    "config,scale_exponents",
+    [
+        pytest.param(mosaic.MosaicDecodeConfig(float16_mma=False), (-20, 20), id="bf16-mma"),
+        # float16's range: e4m3's largest value 448 x 2^7 = 57344 < 65504, its smallest
+        # 2^-9 x 2^-15 = float16's smallest subnormal.
+        pytest.param(None, (-15, 7), id="float16-mma"),
+    ],
+)
+def test_fp8_single_keys_give_dequantized_rows_exactly(rng, config, scale_exponents):
+    """Every finite e4m3 value, with scales from 2^-20 to 2^20 (float16 MMA: 2^-15 to 2^7,
+    what float16 holds), read back through one-key softmaxes: the in-kernel dequantization
+    (on the WGMMA layout's registers, times the scale rows) is exact, as the interpreter and
+    the GPU compute it."""
+    args, want = fp8_tests.single_token_case(
+        rng, n=16, lkv=512, r=mosaic.ROPE, scale_exponents=scale_exponents
+    )
     assert mosaic.unsupported(*args[:3]) is None  # no fallback to Triton
-    out, _ = mosaic.mla_decode(*args, scale=0.1)
+    out, _ = mosaic.mla_decode(*args, scale=0.1, config=config)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))
+
+
+def test_float16_mma_hands_scales_past_its_range_to_bf16(rng, caplog, monkeypatch):
+    """A concrete FP8 cache with a scale above FLOAT16_MAX_SCALE (values float16 cannot
+    hold) runs the bf16 wgmmas, said once, and gives the dequantized rows exactly."""
+    from mla_jax.kernels import mosaic_gpu
+
+    monkeypatch.setattr(mosaic_gpu, "_logged", set())  # said once a process: say it here
+    args, want = fp8_tests.single_token_case(
+        rng, n=16, lkv=512, r=mosaic.ROPE, scale_exponents=(7, 9)
+    )
+    with caplog.at_level(logging.WARNING):
+        out, _ = mosaic.mla_decode(*args, scale=0.1)
+    assert "overflow float16: the latent wgmmas run in bf16" in caplog.text
     got = np.asarray(out.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))

@@ -131,9 +131,10 @@ def _check(got, args, dequantized, scale):
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
 
 
-def single_token_case(rng, *, n, lkv, r):
+def single_token_case(rng, *, n, lkv, r, scale_exponents=(-20, 20)):
     """Requests of one token each, whose latents run through every finite e4m3 bit pattern
-    times power-of-two scales from 2^-20 to 2^20: with one key a request's softmax is 1, so
+    times power-of-two scales from 2^-20 to 2^20 (``scale_exponents``, both ends included):
+    with one key a request's softmax is 1, so
     the decode's ``out`` is its token's dequantized latent row, exactly (bf16 holds every
     such value). Returns the decode's arguments (bf16 queries, an ``Fp8Cache`` of pages of
     64 with NaN in every row no request owns) and the float64 rows ``out`` must equal."""
@@ -141,7 +142,8 @@ def single_token_case(rng, *, n, lkv, r):
     b = -(-finite.size // lkv) * 4
     patterns = rng.permutation(np.resize(finite, b * lkv)).reshape(b, lkv)
     values = jnp.asarray(patterns).view(fp8.FP8)
-    scales = 2.0 ** rng.integers(-20, 21, (b, fp8.num_groups(lkv))).astype(np.float32)
+    low, high = scale_exponents
+    scales = 2.0 ** rng.integers(low, high + 1, (b, fp8.num_groups(lkv))).astype(np.float32)
     block = 64
     kv_c = jnp.full((b, block, lkv), jnp.nan, fp8.FP8).at[:, 0].set(values)
     k_pe = jnp.full((b, block, r), jnp.nan, jnp.bfloat16).at[:, 0].set(0.0)
@@ -504,3 +506,52 @@ def test_fp8_cache_refusal_follows_the_hopper_decode(
             engine_module._refuse_unindexable_fp8_cache(config, model_cfg, dtype)
     else:
         engine_module._refuse_unindexable_fp8_cache(config, model_cfg, dtype)
+
+
+def test_engine_refuses_latents_past_the_float16_decode(tiny, monkeypatch):
+    """With the Mosaic GPU set, the engine refuses an FP8 cache when the model's
+    kv_a_layernorm weights let a latent value pass what the decode's float16 wgmmas hold
+    (scales above 2^7), and takes one whose bound is just inside (1% and 2% off, past the
+    weights' bf16 rounding); the Triton set is not checked."""
+    from flax import nnx
+
+    from mla_jax import kernels
+    from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
+
+    rank = tiny.cfg.mla.kv_lora_rank
+    inside = mosaic.FLOAT16_MAX_LATENT / mosaic.float16_latent_bound(1.0, rank) * 0.99
+    config = EngineConfig(num_blocks=64, impl="mosaic_gpu", kv_cache_dtype="fp8")
+    sets = {"mosaic_gpu": kernels.MOSAIC_GPU, "triton": kernels.TRITON}
+    monkeypatch.setattr(kernels, "select", sets.get)
+    norms = [node for path, node in nnx.iter_graph(tiny) if path and path[-1] == "kv_a_layernorm"]
+    assert norms
+    saved = [n.weight[...] for n in norms]
+    try:
+        norms[-1].weight[...] = saved[-1].at[..., 3].set(-inside)
+        engine_module._refuse_float16_overflow(config, tiny)
+        norms[-1].weight[...] = saved[-1].at[..., 3].set(-inside * 1.02)
+        with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8': kv_a_layernorm weights up"):
+            engine_module._refuse_float16_overflow(config, tiny)
+        engine_module._refuse_float16_overflow(dataclasses.replace(config, impl="triton"), tiny)
+    finally:
+        for n, w in zip(norms, saved, strict=True):
+            n.weight[...] = w
+
+
+def test_float16_latent_bound_holds(rng):
+    """float16_latent_bound bounds what kv_a_layernorm's RMSNorm can output: a latent that
+    is one spike (the worst case, |x_i| / rms(x) = sqrt(n)) times the largest weight stays
+    within it, and quantizes to scales of at most FLOAT16_MAX_SCALE at the bound's edge."""
+    from mla_jax.kernels.decode import pallas_mosaic_gpu as mosaic
+    from mla_jax.model.layers import RMSNorm
+
+    rank = 512
+    weight = mosaic.FLOAT16_MAX_LATENT / mosaic.float16_latent_bound(1.0, rank)
+    norm = RMSNorm(rank, 0.0, param_dtype=jnp.bfloat16)
+    norm.weight[...] = jnp.full((rank,), weight, jnp.bfloat16)
+    x = jnp.zeros((2, rank), jnp.bfloat16).at[0, 7].set(3.0).at[1].set(rng.normal(size=rank))
+    latent = norm(x)
+    bound = mosaic.float16_latent_bound(float(norm.weight[...].max()), rank)
+    assert float(jnp.abs(latent.astype(jnp.float32)).max()) <= bound <= mosaic.FLOAT16_MAX_LATENT
+    _, scales = fp8.quantize(latent)
+    assert float(scales.max()) <= mosaic.FLOAT16_MAX_SCALE
