@@ -96,12 +96,20 @@ class MosaicDecodeConfig:
       subnormals (an absolute error of at most 2^-25). ``mla_decode`` takes the bf16 MMA
       where concrete scales exceed the range; the engine refuses a model whose latent can
       (``float16_latent_bound``).
+    float16_min_batch: float16_mma from this many requests up. The kernel itself is
+      faster with it at every measured size, but the queries' preparation is four XLA
+      fusions, more than the conversion saves on few requests. 128 heads, kernel / the
+      preparation / whole call, bf16 wgmmas -> float16 (H200, ``decode_mgpu_fp8.json`` of
+      2026-11-28 and 2026-11-29): one 16384-token request 26.8 -> 25.5 / 4.8 / 32.8 -> 36.6
+      us; 32 x 4096 129.1 -> 120.5 / 8.9 / 135.4 -> 136.0; 128 x 4096 468.4 -> 434.0 /
+      20.4 / 478.5 -> 464.9.
     """
 
     approx_math: bool = True
     auto_barriers: bool = False
     lazy_rescale: bool = True
     float16_mma: bool = True
+    float16_min_batch: int = 64
 
 
 # The largest scale float16_mma's pages hold: e4m3's largest value 448 x 2^7 = 57344 is below
@@ -222,13 +230,16 @@ def mla_decode(
     if interpret is None:
         interpret = online_softmax.interpret_default()
     config = config or MosaicDecodeConfig()
-    if config.float16_mma and _scales_past_float16(kv_cache):
+    float16 = config.float16_mma and b >= config.float16_min_batch
+    if float16 and _scales_past_float16(kv_cache):
         mosaic_gpu.log_once(
             log,
             f"mla_decode: FP8 cache scales above {FLOAT16_MAX_SCALE:g} (latents past "
             f"{FLOAT16_MAX_LATENT:g}) overflow float16: the latent wgmmas run in bf16",
         )
-        config = dataclasses.replace(config, float16_mma=False)
+        float16 = False
+    # _mla_decode compiles one variant: float16_mma says whether this call takes it.
+    config = dataclasses.replace(config, float16_mma=float16, float16_min_batch=0)
     heads = padded_heads(n)
     combine_config = combine_config or triton_config
     combine_config = dataclasses.replace(

@@ -326,9 +326,10 @@ def _check_fp8(
 
 
 # The FP8 cache's latent wgmmas in bf16 (the default) and in float16 (``float16_mma``).
+FLOAT16 = mosaic.MosaicDecodeConfig(float16_min_batch=1)  # the default over any batch
 MMA_CONFIGS = [
     pytest.param(mosaic.MosaicDecodeConfig(float16_mma=False), id="bf16-mma"),
-    pytest.param(None, id="float16-mma"),  # the default
+    pytest.param(FLOAT16, id="float16-mma"),
 ]
 
 
@@ -375,7 +376,7 @@ def test_fp8_deepseek_scale_compiled(rng, n, config):
         pytest.param(mosaic.MosaicDecodeConfig(float16_mma=False), (-20, 20), id="bf16-mma"),
         # float16's range: e4m3's largest value 448 x 2^7 = 57344 < 65504, its smallest
         # 2^-9 x 2^-15 = float16's smallest subnormal.
-        pytest.param(None, (-15, 7), id="float16-mma"),
+        pytest.param(FLOAT16, (-15, 7), id="float16-mma"),
     ],
 )
 def test_fp8_single_keys_give_dequantized_rows_exactly(rng, config, scale_exponents):
@@ -402,7 +403,36 @@ def test_float16_mma_hands_scales_past_its_range_to_bf16(rng, caplog, monkeypatc
         rng, n=16, lkv=512, r=mosaic.ROPE, scale_exponents=(7, 9)
     )
     with caplog.at_level(logging.WARNING):
-        out, _ = mosaic.mla_decode(*args, scale=0.1)
+        out, _ = mosaic.mla_decode(*args, scale=0.1, config=FLOAT16)
     assert "overflow float16: the latent wgmmas run in bf16" in caplog.text
     got = np.asarray(out.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape))
+
+
+@pytest.mark.parametrize(("batch", "float16"), [(63, False), (64, True)])
+def test_float16_mma_from_its_batch(batch, float16, monkeypatch):
+    """By default the float16 wgmmas (and their query preparation) run from
+    ``float16_min_batch`` requests up; checked on the traced program (whether the
+    queries reach the kernel as float16)."""
+    seen = []
+    call = mosaic._decode_call
+    monkeypatch.setattr(
+        mosaic,
+        "_decode_call",
+        lambda q_lat, *a, **k: seen.append(q_lat.dtype) or call(q_lat, *a, **k),
+    )
+    lkv, blocks = 128, 2
+    cache = fp8.Fp8Cache(
+        jnp.zeros((blocks, mosaic.PAGE, lkv), fp8.FP8),
+        jnp.zeros((blocks, mosaic.PAGE, mosaic.ROPE), BF16),
+        jnp.ones((blocks, mosaic.PAGE, fp8.num_groups(lkv)), jnp.float32),
+    )
+    args = (
+        jax.ShapeDtypeStruct((batch, 64, lkv), BF16),
+        jax.ShapeDtypeStruct((batch, 64, mosaic.ROPE), BF16),
+        cache,
+        jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    jax.eval_shape(lambda q, r, c, t, s: mosaic.mla_decode(q, r, c, t, s, scale=0.1), *args)
+    assert seen == [jnp.float16 if float16 else BF16]
