@@ -325,8 +325,9 @@ def _check_fp8(
     return schedule
 
 
-# The FP8 cache's latent wgmmas in bf16 (the default) and in float16 (``float16_mma``).
-FLOAT16 = mosaic.MosaicDecodeConfig(float16_min_batch=1)  # the default over any batch
+# The FP8 cache's latent wgmmas in bf16 and in float16 (``float16_mma``, by default from
+# ``float16_min_batch`` requests up; here at any batch).
+FLOAT16 = mosaic.MosaicDecodeConfig(float16_min_batch=1)
 MMA_CONFIGS = [
     pytest.param(mosaic.MosaicDecodeConfig(float16_mma=False), id="bf16-mma"),
     pytest.param(FLOAT16, id="float16-mma"),

@@ -134,10 +134,10 @@ def _check(got, args, dequantized, scale):
 def single_token_case(rng, *, n, lkv, r, scale_exponents=(-20, 20)):
     """Requests of one token each, whose latents run through every finite e4m3 bit pattern
     times power-of-two scales from 2^-20 to 2^20 (``scale_exponents``, both ends included):
-    with one key a request's softmax is 1, so
-    the decode's ``out`` is its token's dequantized latent row, exactly (bf16 holds every
-    such value). Returns the decode's arguments (bf16 queries, an ``Fp8Cache`` of pages of
-    64 with NaN in every row no request owns) and the float64 rows ``out`` must equal."""
+    with one key a request's softmax is 1, so the decode's ``out`` is its token's
+    dequantized latent row, exactly (bf16 holds every such value). Returns the decode's
+    arguments (bf16 queries, an ``Fp8Cache`` of pages of 64 with NaN in every row no request
+    owns) and the float64 rows ``out`` must equal."""
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
     b = -(-finite.size // lkv) * 4
     patterns = rng.permutation(np.resize(finite, b * lkv)).reshape(b, lkv)
