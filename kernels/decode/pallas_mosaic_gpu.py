@@ -104,10 +104,10 @@ class MosaicDecodeConfig:
     float16_min_batch: float16_mma from this many requests up. The kernel itself is
       faster with it at every measured size, but the queries' preparation is four XLA
       fusions, more than the conversion saves on few requests. 128 heads, kernel / the
-      preparation / whole call, bf16 wgmmas -> float16 (H200, ``decode_mgpu_fp8.json`` of
-      2026-11-28 and 2026-11-29): one 16384-token request 26.8 -> 25.5 / 4.8 / 32.8 -> 36.6
-      us; 32 x 4096 129.1 -> 120.5 / 8.9 / 135.4 -> 136.0; 128 x 4096 468.4 -> 434.0 /
-      20.4 / 478.5 -> 464.9.
+      preparation / whole call, bf16 wgmmas -> float16 (H200, ``decode_mgpu_fp8.json``'s
+      runs of 2026-11-28 and the first of 2026-11-29): one 16384-token request 26.8 ->
+      25.5 / 4.8 / 32.8 -> 36.6 us; 32 x 4096 129.1 -> 120.5 / 8.9 / 135.4 -> 136.0; 128 x
+      4096 468.4 -> 434.0 / 20.4 / 478.5 -> 464.9.
     """
 
     approx_math: bool = True
