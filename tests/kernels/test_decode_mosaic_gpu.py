@@ -293,10 +293,24 @@ FP8_OUT_TOL, FP8_LSE_RTOL = 3e-3, 1e-6
 
 
 def _check_fp8(
-    rng, lens, *, n, lkv, scale, schedule=None, programs=None, block_k=mosaic.PAGE, config=None
+    rng,
+    lens,
+    *,
+    n,
+    lkv,
+    scale,
+    schedule=None,
+    programs=None,
+    block_k=mosaic.PAGE,
+    config=None,
+    row_exponents=(0, 0),
 ):
+    """``row_exponents``: each query row (latent and rope) times a power of two drawn from
+    that range."""
     args, dequantized = fp8_tests._fp8_case(rng, lens, n=n, lkv=lkv, r=mosaic.ROPE, block_size=64)
     q_lat, q_pe, cache, table, lens = args
+    rows = 2.0 ** rng.integers(row_exponents[0], row_exponents[1] + 1, (len(lens), n, 1))
+    q_lat, q_pe = np.asarray(q_lat) * rows, np.asarray(q_pe) * rows
     if programs is not None:
         schedule = pallas_triton.schedule_splits(
             lens,
@@ -358,6 +372,22 @@ def test_fp8_deepseek_dims(rng):
     several pages and items; one request whole (no schedule)."""
     _check_fp8(rng, [70, 1, 129, 0], n=16, lkv=512, scale=0.07, programs=2)
     _check_fp8(rng, [150], n=16, lkv=512, scale=0.07)
+
+
+@pytest.mark.parametrize("config", MMA_CONFIGS)
+def test_fp8_queries_of_any_magnitude(rng, config):
+    """Query rows from 2^-12 to 2^12 times their draw, in one head block: each row's own
+    power of two into float16's range (float16 MMA), undone in its softmax."""
+    _check_fp8(
+        rng,
+        [70, 130],
+        n=64,
+        lkv=256,
+        scale=0.02,
+        programs=3,
+        config=config,
+        row_exponents=(-12, 12),
+    )
 
 
 @pytest.mark.gpu
