@@ -493,9 +493,10 @@ def _kernel(
     def scores(w, slot, latent, c, during=lambda: None):
         """Warpgroup ``w``'s ``[64, CHUNK]`` raw scores of chunk ``c`` of the page in
         ``slot`` (its 16-bit latent ``[64, Lkv]`` in ``latent``), with ``during()`` run
-        while the wgmma is in flight. Waits for the page's copy; for an FP8 page, after
-        the product over its own half of the columns (``dequantize`` converted them), for
-        the other warpgroup's half, so that the wait overlaps that product."""
+        while the wgmma is in flight. A bf16 page: waits for its copy first. An FP8 page
+        (whose copy ``dequantize`` waited for): issues the product over our own half of the
+        columns, then waits for the other warpgroup's half, so that the wait overlaps that
+        product."""
 
         def scope(s_ref):
             rows = pl.ds(c * CHUNK, CHUNK)

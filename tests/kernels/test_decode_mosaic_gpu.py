@@ -413,7 +413,7 @@ def test_fp8_deepseek_scale_compiled(rng, n, config):
 def test_fp8_single_keys_give_dequantized_rows_exactly(rng, config, scale_exponents):
     """Every finite e4m3 value, with scales from 2^-20 to 2^20 (float16 MMA: 2^-15 to 2^7,
     what float16 holds), read back through one-key softmaxes: the in-kernel dequantization
-    (on the WGMMA layout's registers, times the scale rows) is exact, as the interpreter and
+    (in ``CONVERT_LAYOUT``'s registers, times the scale rows) is exact, as the interpreter and
     the GPU compute it."""
     args, want = fp8_tests.single_token_case(
         rng, n=16, lkv=512, r=mosaic.ROPE, scale_exponents=scale_exponents
