@@ -176,14 +176,14 @@ class KernelPlan:
         [B]`` keys each (host, NumPy int; padding rows 0). Its arrays have sizes fixed by B
         alone, so that a padded batch size compiles once."""
         batch = seq_lens.shape[0]
-        programs = self.decode_programs(batch)
-        mosaic = self.mosaic_decode(batch)
-        step = pallas_mosaic_gpu.PAGE if mosaic else self.decode_config(batch).block_k
+        num_items = decode.max_items(batch, self.decode_programs(batch))
+        if self.mosaic_decode(batch):
+            return pallas_mosaic_gpu.schedule(seq_lens, self.num_heads, self.num_sms, num_items)
         return decode.schedule_splits(
             seq_lens,
-            num_programs=programs,
-            block_k=step,
-            num_items=decode.max_items(batch, programs),
+            num_programs=self.decode_programs(batch),
+            block_k=self.decode_config(batch).block_k,
+            num_items=num_items,
         )
 
     def prefill_schedule(self, query_start: np.ndarray, num_rows: int) -> tiling.TileSchedule:

@@ -236,9 +236,7 @@ def _mosaic_case(
     arg_sets = _inputs(rng, seq_lens, n, sets, sizes)
     num_sms = KernelPlan.for_device(n).num_sms
     programs = mosaic.num_programs(n, num_sms)
-    schedule = jax.device_put(
-        decode.schedule_splits(seq_lens, num_programs=programs, block_k=sizes.page)
-    )
+    schedule = jax.device_put(mosaic.schedule(seq_lens, n, num_sms))
     config = mosaic.MosaicDecodeConfig(**(variant or {}))
     combine_config = dataclasses.replace(
         decode.DecodeConfig.for_shape(n, len(seq_lens)), **(combine or {})

@@ -148,7 +148,7 @@ def pays_off(num_heads: int, batch: int = 1, quantized: bool = False) -> bool:
     """Whether the kernel beats the Triton one for ``batch`` requests at ``num_heads`` heads
     (over an FP8 cache if ``quantized``): from 64 heads (one wgmma tile of rows) up. Fewer
     heads are padded to 64 rows, which at 16 heads is 4x the work of a bandwidth-bound
-    decode: over bf16 1.20-1.81x the Triton kernel's time on an H200 (BENCHMARKS.md,
+    decode: over bf16 1.16-1.82x the Triton kernel's time on an H200 (BENCHMARKS.md,
     ``decode_mgpu``); over FP8 the Triton kernel's dequantization costs more than the
     padding from ``FP8_MIN_BATCH`` requests up."""
     return num_heads >= BLOCK_H or (quantized and batch >= FP8_MIN_BATCH)
@@ -158,6 +158,33 @@ def num_programs(num_heads: int, num_sms: int = pallas_triton.DEFAULT_NUM_SMS) -
     """Programs per block of 64 heads: one a multiprocessor (a program takes 225 KB of
     shared memory), the multiprocessors shared between the head blocks."""
     return max(1, num_sms // (padded_heads(num_heads) // BLOCK_H))
+
+
+# What a program pays for each item it starts, in pages: the queries' copy, the first page's
+# wait, the partial row's store and the merge of a split request. Measured (H200,
+# 2026-11-29, 128 heads, kernel and merge): 64 requests of 16384 tokens on 66 programs (119
+# items, 249 pages a program) took 590.6 us against 577.6 on 64 (64 items, 256 pages);
+# 128 of 4096 on 66 (167 items) 320.7 against 316.8 on 64 (128 items, 128 pages). A fit of
+# those figures puts an item at 3-9 pages of the kernel alone, plus the merge.
+ITEM_COST = 8
+
+
+def schedule(
+    seq_lens: np.ndarray,
+    num_heads: int,
+    num_sms: int = pallas_triton.DEFAULT_NUM_SMS,
+    num_items: int | None = None,
+) -> pallas_triton.DecodeSchedule:
+    """This kernel's split-KV plan for ``seq_lens [B]`` keys per request (host, NumPy int):
+    ``schedule_splits`` over ``num_programs`` programs in pages, each item costed at
+    ``ITEM_COST`` pages (equal requests run unsplit where splitting them gains less)."""
+    return pallas_triton.schedule_splits(
+        seq_lens,
+        num_programs=num_programs(num_heads, num_sms),
+        block_k=PAGE,
+        num_items=num_items,
+        item_cost=ITEM_COST,
+    )
 
 
 def unsupported(q_lat, q_pe, kv_cache) -> str | None:
@@ -201,8 +228,8 @@ def mla_decode(
         row b are read.
       seq_lens: ``[B]`` int32 keys per request; 0 gives out 0 and lse -inf.
       scale: softmax scale.
-      schedule: the split-KV plan (``pallas_triton.schedule_splits``, e.g. for
-        ``num_programs`` programs in whole pages), or one cut to shorter lengths by
+      schedule: the split-KV plan (``schedule``, or ``pallas_triton.schedule_splits`` for
+        any program count in whole pages), or one cut to shorter lengths by
         ``truncate_schedule``; None runs each request whole in a program of its own.
       config: compile options (default ``MosaicDecodeConfig()``).
       combine_config: its ``combine_*`` fields launch the merge of split requests (the

@@ -145,39 +145,92 @@ def schedule_splits(
     block_k: int,
     snap: float = 0.1,
     num_items: int | None = None,
+    item_cost: int = 0,
 ) -> DecodeSchedule:
     """Host-side (NumPy) schedule: program ``p`` gets the tokens between boundaries
     ``p * share`` and ``(p + 1) * share`` of the batch's concatenated KV, ``share`` rounded up
     to whole ``block_k`` steps. A boundary within ``snap * share`` of a request boundary moves
     onto it, so that a request is not split only to be merged again. Empty requests get no
     item. ``num_items`` pads the item arrays to a static size (at least
-    ``max_items(B, num_programs)``; default: the exact count)."""
+    ``max_items(B, num_programs)``; default: the exact count).
+
+    ``item_cost`` (in ``block_k`` steps; 0: off) is what a program pays for each item it
+    starts beyond its steps. With it, the shares of the fewest programs that give each
+    program the same whole number of the batch's nonempty requests
+    (``whole_request_programs``) are tried beside ``num_programs``' and kept where the most
+    loaded program's steps plus ``item_cost`` an item come to no more (the programs past
+    them get no item). Equal requests then run unsplit where splitting them would gain
+    less than the items cost: 64 x 16384 tokens on 66 programs would leave 119 items."""
     lens = np.asarray(seq_lens, np.int64)
     cum = np.concatenate([[0], np.cumsum(lens)])
+    starts = cum[:-1][lens > 0]
+    items = _items(cum, starts, _share_bounds(cum, num_programs, block_k, snap))
+    fewer = whole_request_programs(len(starts), num_programs)
+    if item_cost and fewer < num_programs and len(items.req) > len(starts):  # a split
+        cost = _largest_load(items, block_k, item_cost)
+        # Fewer programs' most loaded one has at least this much (skips the common case).
+        if -(-int(cum[-1]) // (fewer * block_k)) + item_cost <= cost:
+            other = _items(cum, starts, _share_bounds(cum, fewer, block_k, snap))
+            if _largest_load(other, block_k, item_cost) <= cost:
+                items = other
+    prog_items = np.searchsorted(items.prog, np.arange(num_programs + 1), side="left")
+    req_items = np.searchsorted(items.req, np.arange(len(lens) + 1), side="left")
+    count = len(items.req)
+    pad = (num_items or count) - count
+    if pad < 0:
+        raise ValueError(f"num_items {num_items} < the {count} items this batch needs")
+    fill = lambda a: np.concatenate([a, np.zeros(pad, np.int64)]).astype(np.int32)  # noqa: E731
+    return DecodeSchedule(
+        prog_items.astype(np.int32),
+        fill(items.req),
+        fill(items.first),
+        fill(items.last),
+        req_items.astype(np.int32),
+    )
+
+
+def whole_request_programs(requests: int, num_programs: int) -> int:
+    """The fewest programs that take ``requests`` requests in equal whole numbers as
+    ``num_programs`` programs would at best (``ceil(requests / num_programs)`` each)."""
+    if requests == 0:
+        return num_programs
+    return -(-requests // -(-requests // num_programs))
+
+
+def _share_bounds(cum: np.ndarray, num_programs: int, block_k: int, snap: float) -> np.ndarray:
+    """The program boundaries (token offsets, ascending, inside ``(0, total)``) of
+    ``schedule_splits`` over ``num_programs`` programs."""
     total = int(cum[-1])
     share = -(-max(-(-total // num_programs), 1) // block_k) * block_k
     bounds = np.arange(1, -(-total // share)) * share
     i = np.clip(np.searchsorted(cum, bounds), 1, len(cum) - 1)
     nearest = np.where(bounds - cum[i - 1] < cum[i] - bounds, cum[i - 1], cum[i])
     bounds = np.where(np.abs(nearest - bounds) <= snap * share, nearest, bounds)
-    bounds = np.unique(bounds[(bounds > 0) & (bounds < total)])
-    cuts = np.union1d(cum[:-1][lens > 0], bounds)
-    ends = np.append(cuts[1:], total)
+    return np.unique(bounds[(bounds > 0) & (bounds < total)])
+
+
+class _Items(NamedTuple):
+    req: np.ndarray  # [I] each item's request
+    first: np.ndarray  # [I] its first token in the request
+    last: np.ndarray  # [I] its end in the request
+    prog: np.ndarray  # [I] its program
+
+
+def _items(cum: np.ndarray, starts: np.ndarray, bounds: np.ndarray) -> _Items:
+    """The items of programs split at ``bounds`` (offsets in the batch's concatenated KV),
+    the requests' offsets ``cum``, the nonempty ones starting at ``starts``."""
+    cuts = np.union1d(starts, bounds)
+    ends = np.append(cuts[1:], cum[-1])
     req = np.searchsorted(cum, cuts, side="right") - 1
     prog = np.searchsorted(bounds, cuts, side="right")
-    prog_items = np.searchsorted(prog, np.arange(num_programs + 1), side="left")
-    req_items = np.searchsorted(req, np.arange(len(lens) + 1), side="left")
-    pad = (num_items or len(cuts)) - len(cuts)
-    if pad < 0:
-        raise ValueError(f"num_items {num_items} < the {len(cuts)} items this batch needs")
-    fill = lambda a: np.concatenate([a, np.zeros(pad, np.int64)]).astype(np.int32)  # noqa: E731
-    return DecodeSchedule(
-        prog_items.astype(np.int32),
-        fill(req),
-        fill(cuts - cum[req]),
-        fill(ends - cum[req]),
-        req_items.astype(np.int32),
-    )
+    return _Items(req, cuts - cum[req], ends - cum[req], prog)
+
+
+def _largest_load(items: _Items, block_k: int, item_cost: int) -> int:
+    """The most loaded program's ``block_k`` steps (a step an item covers in part counts
+    whole, as the kernels run it) plus ``item_cost`` for each of its items."""
+    steps = -(-items.last // block_k) - items.first // block_k
+    return int(np.bincount(items.prog, weights=steps + item_cost).max())
 
 
 def truncate_schedule(schedule: DecodeSchedule, seq_lens: jax.Array) -> DecodeSchedule:

@@ -215,6 +215,25 @@ def test_deepseek_scale_compiled(rng, n):
     _check(got, _expected(*args, 0.07), args[-1], jnp.bfloat16)
 
 
+def _loads(s, block_k: int, item_cost: int, num_programs: int) -> list[int]:
+    """Each program's ``block_k`` steps (a step an item only partly covers counts whole) plus
+    ``item_cost`` for each item, counted item by item from the schedule's arrays."""
+    loads = []
+    for p in range(num_programs):
+        items = range(s.prog_items[p], s.prog_items[p + 1])
+        steps = sum(-(-int(s.item_end[i]) // block_k) - s.item_start[i] // block_k for i in items)
+        loads.append(steps + item_cost * len(items))
+    return loads
+
+
+def _tiles_each_request(s, lens) -> None:
+    for b in range(len(lens)):
+        items = np.arange(s.req_items[b], s.req_items[b + 1])
+        assert (s.item_req[items] == b).all()
+        covered = [t for i in items for t in range(s.item_start[i], s.item_end[i])]
+        assert covered == list(range(lens[b]))
+
+
 def test_plan_balances_tokens():
     """Programs get equal token shares (to a block, and a 10% snap onto request
     boundaries); each request's items tile it in order."""
@@ -225,11 +244,48 @@ def test_plan_balances_tokens():
     share = int(np.ceil(lens.sum() / 32 / 64)) * 64
     assert max(per_prog) <= 1.1 * share and sum(per_prog) == lens.sum()  # snap: 10%
     assert (size > 0).all() and len(size) <= decode.max_items(len(lens), 32)
-    for b in range(len(lens)):
-        items = np.arange(s.req_items[b], s.req_items[b + 1])
-        assert (s.item_req[items] == b).all()
-        covered = [t for i in items for t in range(s.item_start[i], s.item_end[i])]
-        assert covered == list(range(lens[b]))
+    _tiles_each_request(s, lens)
+
+
+@pytest.mark.parametrize(
+    "lens, programs, used",
+    [
+        ([16384] * 64, 66, 64),  # 66 shares would split 55 requests (119 items)
+        ([4096] * 128, 66, 64),  # two whole requests a program
+        ([320] * 3, 4, 3),
+        ([4096] + [0] * 15, 66, 64),  # one request: its one-page items stay on every program
+        ([4096] * 32, 66, 64),  # halves: cheaper than whole requests on 32 programs
+    ],
+)
+def test_plan_with_item_cost(lens, programs, used):
+    """With ``item_cost``, equal requests run whole on fewer programs where splitting them
+    costs more than it balances; the plan's largest load (steps plus the cost of its items)
+    is never above the plain plan's, and every request is still tiled in order."""
+    lens = np.array(lens)
+    plain = decode.schedule_splits(lens, num_programs=programs, block_k=64)
+    s = decode.schedule_splits(
+        lens, num_programs=programs, block_k=64, item_cost=8, num_items=len(lens) + programs
+    )
+    _tiles_each_request(s, lens)
+    loads = _loads(s, 64, 8, programs)
+    assert sum(load > 0 for load in loads) == used
+    assert max(loads) <= max(_loads(plain, 64, 8, programs))
+    assert (
+        decode.schedule_splits(lens, num_programs=programs, block_k=64, item_cost=0)[0].tolist()
+        == plain[0].tolist()
+    )
+
+
+def test_plan_with_item_cost_on_ragged_lengths(rng):
+    """Random ragged batches (empty requests among them): the plan with ``item_cost`` tiles
+    every request and its largest load is at most the plain plan's."""
+    for _ in range(20):
+        lens = rng.integers(0, 5000, int(rng.integers(1, 200)))
+        programs = int(rng.integers(1, 133))
+        plain = decode.schedule_splits(lens, num_programs=programs, block_k=64)
+        s = decode.schedule_splits(lens, num_programs=programs, block_k=64, item_cost=8)
+        _tiles_each_request(s, lens)
+        assert max(_loads(s, 64, 8, programs)) <= max(_loads(plain, 64, 8, programs))
 
 
 @pytest.mark.parametrize("variant", [{}, {"prefetch": True}], ids=["pallas", "pallas-prefetch"])

@@ -93,6 +93,16 @@ def test_whole_requests_without_schedule(rng):
     _check(args, 0.2)
 
 
+def test_kernel_plan_leaves_a_program_idle(rng):
+    """``schedule``'s plan for three equal requests on four programs a head block: each
+    request whole on a program of its own (no merge), the fourth program without items."""
+    lens = [320] * 3
+    args = bf16_tests._case(rng, lens, n=64, lkv=128, r=64, block_size=64, dtype=BF16)
+    schedule = mosaic.schedule(args[-1], 64, num_sms=4, num_items=7)
+    assert np.asarray(schedule.prog_items).tolist() == [0, 1, 2, 3, 3]
+    _check(args, 0.15, schedule=schedule)
+
+
 def test_items_starting_inside_a_page(rng):
     """A plan in 32-token steps starts items mid-page: the keys before an item's start in
     its first page are masked (and merged from the item that owns them)."""
