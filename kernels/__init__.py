@@ -141,13 +141,14 @@ class KernelPlan:
     """What the host needs to schedule the Pallas kernels of a model with ``num_heads``
     heads on a GPU with ``num_sms`` multiprocessors, for the kernels of ``backend``
     (``"triton"`` or ``"mosaic_gpu"``: each decode kernel has its own program count and
-    step)."""
+    step) over a cache of ``page_size``-row pages."""
 
     num_heads: int
     num_sms: int = decode.DEFAULT_NUM_SMS
     prefill_block_q: int = prefill.PrefillConfig().block_q
     backend: str = "triton"
     quantized_cache: bool = False  # an FP8 cache (``fp8.Fp8Cache``): the decode kernel may differ
+    page_size: int = pallas_mosaic_gpu.PAGE  # the Mosaic GPU decode runs this size only
 
     def __post_init__(self):
         if self.backend not in ("triton", "mosaic_gpu"):
@@ -161,8 +162,10 @@ class KernelPlan:
     def mosaic_decode(self, batch: int) -> bool:
         """Whether ``mla_decode`` runs the Mosaic GPU kernel for a batch of ``batch`` decodes
         (else the Triton one)."""
-        return self.backend == "mosaic_gpu" and pallas_mosaic_gpu.pays_off(
-            self.num_heads, batch, self.quantized_cache
+        return (
+            self.backend == "mosaic_gpu"
+            and self.page_size == pallas_mosaic_gpu.PAGE
+            and pallas_mosaic_gpu.pays_off(self.num_heads, batch, self.quantized_cache)
         )
 
     def decode_programs(self, batch: int) -> int:
@@ -203,23 +206,37 @@ class KernelPlan:
         device: jax.Device | None = None,
         backend: str = "triton",
         quantized_cache: bool = False,
+        page_size: int = pallas_mosaic_gpu.PAGE,
     ) -> KernelPlan:
         """The plan for ``device`` (default: the first one): its multiprocessor count, or an
         H100's / H200's where it reports none (a CPU running the kernels interpreted)."""
         device = device or jax.devices()[0]
         num_sms = getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS
-        return cls(num_heads, num_sms, backend=backend, quantized_cache=quantized_cache)
+        return cls(
+            num_heads,
+            num_sms,
+            backend=backend,
+            quantized_cache=quantized_cache,
+            page_size=page_size,
+        )
 
     @classmethod
     def for_impl(
-        cls, impl: str | KernelSet, num_heads: int, quantized_cache: bool = False
+        cls,
+        impl: str | KernelSet,
+        num_heads: int,
+        quantized_cache: bool = False,
+        page_size: int = pallas_mosaic_gpu.PAGE,
     ) -> KernelPlan | None:
         """The plan for this device and the kernels ``impl`` selects (they need the
-        schedules) over a bf16 cache, or an FP8 one with ``quantized_cache``; None for the
-        references, which take none."""
+        schedules) over a bf16 cache, or an FP8 one with ``quantized_cache``, of
+        ``page_size``-row pages; None for the references, which take none."""
         kernel_set = select(impl)
         if kernel_set.backend == "reference":
             return None
         return cls.for_device(
-            num_heads, backend=kernel_set.backend, quantized_cache=quantized_cache
+            num_heads,
+            backend=kernel_set.backend,
+            quantized_cache=quantized_cache,
+            page_size=page_size,
         )

@@ -20,6 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 
+from mla_jax import kernels  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
 from mla_jax.engine import compilation  # noqa: E402
 from mla_jax.kernels import KernelPlan  # noqa: E402
@@ -190,13 +191,21 @@ class Step:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             workspace_size=self.workspace_size,
-            kernel_plan=KernelPlan(attn.cfg.num_heads, num_sms=4) if impl == "pallas" else None,
+            kernel_plan=_plan(impl, attn.cfg.num_heads, self.block_size),
         )
         x = np.zeros((md.positions.shape[0], requests[0][1].shape[1]), np.float32)
         x[md.token_rows()] = np.concatenate([x for _, x in requests])
         y, cache = _run(attn, jnp.asarray(x), cache, jax.device_put(md), impl)
         y = np.asarray(y)[md.token_rows()]
         return np.split(y, np.cumsum(qlen)[:-1]), cache
+
+
+def _plan(impl: str, num_heads: int, block_size: int) -> KernelPlan | None:
+    """The schedules of ``impl``'s kernel set on 4 multiprocessors (None: the references)."""
+    backend = kernels.select(impl).backend
+    if backend == "reference":
+        return None
+    return KernelPlan(num_heads, num_sms=4, backend=backend, page_size=block_size)
 
 
 @nnx.jit(static_argnames="impl")

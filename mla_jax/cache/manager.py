@@ -49,7 +49,8 @@ class CacheManager:
             buckets=buckets,
             impl=impl,
             # Chosen once here, not on every step.
-            kernel_plan=kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads),
+            kernel_plan=kernel_plan
+            or kernels.KernelPlan.for_impl(impl, num_heads, page_size=block_size),
         )
         self._blocks: dict[Hashable, list[int]] = {}
         self._cached: dict[Hashable, int] = {}

@@ -88,7 +88,7 @@ def packed_metadata(
       buckets: how padded sizes are chosen (default: powers of two).
       impl: the kernels the step will run (``kernels.select``); for the Pallas kernels the
         metadata carries their schedules, for the device ``kernel_plan`` (default
-        ``KernelPlan.for_device(num_heads)``).
+        ``KernelPlan.for_device(num_heads)`` for ``block_size``-row pages).
 
     Returns:
       ``PackedMetadata`` whose arrays are on the default device; tokens go in packed in the
@@ -101,7 +101,7 @@ def packed_metadata(
         context_lens, query_lens, block_table, block_size, num_blocks, decodes_first=False
     )
     order = np.argsort(~is_decode(query_lens), kind="stable")
-    kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads)
+    kernel_plan = kernel_plan or kernels.KernelPlan.for_impl(impl, num_heads, page_size=block_size)
     attention = build_validated(
         context_lens[order],
         query_lens[order],

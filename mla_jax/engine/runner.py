@@ -189,7 +189,10 @@ class ModelRunner:
         self.workspace_size = workspace_size
         self.max_rows = max_rows  # sampled-token rows of the largest step, per DP rank
         self.kernel_plan = kernels.KernelPlan.for_impl(
-            kernel_set, num_heads, quantized_cache=isinstance(cache, Fp8Cache)
+            kernel_set,
+            num_heads,
+            quantized_cache=isinstance(cache, Fp8Cache),
+            page_size=block_size,
         )
         self.step_count = 0
         self.programs: dict[StepLayout, jax.stages.Compiled] = {}

@@ -75,18 +75,15 @@ def _assert_schedules_equal(got, want):
 
 def _mosaic_schedule(lens: np.ndarray, heads: int) -> pallas_triton.DecodeSchedule:
     programs = pallas_mosaic_gpu.num_programs(heads, 132)
-    return pallas_triton.schedule_splits(
-        lens,
-        num_programs=programs,
-        block_k=pallas_mosaic_gpu.PAGE,
-        num_items=pallas_triton.max_items(len(lens), programs),
-    )
+    num_items = pallas_triton.max_items(len(lens), programs)
+    return pallas_mosaic_gpu.schedule(lens, heads, 132, num_items)
 
 
 def test_plan_follows_the_decode_kernel():
     """The Mosaic GPU plan: one program a multiprocessor per 64 heads, in pages; below 64
-    heads the Hopper set runs the Triton decode, and its plan is Triton's, except over an
-    FP8 cache from ``FP8_MIN_BATCH`` requests, where both are the Mosaic GPU kernel's."""
+    heads (or over pages other than 64 rows) the Hopper set runs the Triton decode, and its
+    plan is Triton's, except over an FP8 cache from ``FP8_MIN_BATCH`` requests, where both
+    are the Mosaic GPU kernel's."""
     lens = np.array([4096, 100, 0, 64 * 33], np.int64)
     mosaic = kernels.KernelPlan(128, num_sms=132, backend="mosaic_gpu")
     assert mosaic.mosaic_decode(4)
@@ -108,6 +105,12 @@ def test_plan_follows_the_decode_kernel():
     _assert_schedules_equal(fp8_plan.decode_schedule(many), _mosaic_schedule(many, 16))
     bf16_plan = kernels.KernelPlan(16, num_sms=132, backend="mosaic_gpu")
     assert not bf16_plan.mosaic_decode(len(many))
+    # Pages other than 64 rows: the Hopper set's decode runs the Triton kernel, on its plan.
+    pages_of_16 = kernels.KernelPlan(128, num_sms=132, backend="mosaic_gpu", page_size=16)
+    assert not pages_of_16.mosaic_decode(len(many))
+    _assert_schedules_equal(
+        pages_of_16.decode_schedule(many), kernels.KernelPlan(128, 132).decode_schedule(many)
+    )
     with pytest.raises(ValueError, match="KernelPlan backend 'reference'"):
         kernels.KernelPlan(16, backend="reference")
 

@@ -10,6 +10,8 @@ The small config has 4 heads, rope 8, v 12: the Pallas kernels run on padded til
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +20,10 @@ import pytest
 from conftest import Step, mla_dims, mla_weights_np, randomize, rel_err, small_mla
 from flax import nnx
 
+from mla_jax import kernels
 from mla_jax.cache.latent_cache import init_cache
 from mla_jax.cache.packing import packed_metadata
+from mla_jax.kernels.decode import pallas_triton
 from mla_jax.model.attention import MLAAttention
 
 TOL = 2e-5
@@ -209,6 +213,59 @@ def test_bfloat16_prefill_close_to_dense(rng):
     x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     outs, _ = Step(4, 8)(attn, cache, [(0, x_bf16)], np.array([[5, 2, 7]]))
     assert rel_err(outs[0], ref.mla(p, dims, x_bf16, np.arange(10))) < 1.5e-2
+
+
+@pytest.mark.skipif(
+    kernels.mosaic_gpu.device_unsupported() is not None
+    and not hasattr(
+        pytest.importorskip("jax.experimental.pallas.mosaic_gpu"), "InterpretGPUParams"
+    ),
+    reason="Mosaic GPU interpret mode needs jax >= 0.11",
+)
+def test_bfloat16_decode_on_the_mosaic_gpu_kernels(rng, monkeypatch):
+    """The module's absorbed decode on the Hopper set, where its Mosaic GPU kernel runs (64
+    heads, bf16, pages of 64, Lkv 128, rope 64): requests of 0, 63, 64 and 190 cached tokens
+    against float64 MHA over the same cache rows (the Triton kernel, its fallback, is
+    forbidden). bf16 weights, queries, cache and probabilities: the bound of
+    ``test_bfloat16_prefill_close_to_dense`` (measured in interpret mode, seeds 0-3:
+    2.2-6.2e-3)."""
+    cfg = dataclasses.replace(
+        small_mla(heads=64), kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=32
+    )
+    attn = MLAAttention(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    randomize(attn, int(rng.integers(2**31)))
+    p, dims = mla_weights_np(attn), mla_dims(cfg)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the Triton decode ran")
+
+    monkeypatch.setattr(pallas_triton, "mla_decode", forbidden)
+    monkeypatch.setattr(kernels.decode, "mla_decode", forbidden)
+    bs, width, ctx = 64, 4, [0, 63, 64, 190]
+    num_blocks = width * len(ctx)
+    tables = _tables(rng, len(ctx), width, num_blocks)
+    cache = _context_cache(rng, cfg, tables, ctx, num_blocks, bs).astype(jnp.bfloat16)
+    rows = np.asarray(cache.astype(jnp.float32)).reshape(num_blocks * bs, -1)
+    xs = [rng.standard_normal((1, cfg.hidden_size)) for _ in ctx]
+    xs = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in xs]
+    outs, new_cache = Step(bs, num_blocks)(
+        attn, cache, list(zip(ctx, xs, strict=True)), tables, impl="mosaic_gpu"
+    )
+    new_rows = np.asarray(new_cache.astype(jnp.float32)).reshape(num_blocks * bs, -1)
+    for c, x, table, out in zip(ctx, xs, tables, outs, strict=True):
+        slots = table[np.arange(c + 1) // bs] * bs + np.arange(c + 1) % bs
+        lat = np.concatenate([rows[slots[:-1]], new_rows[slots[-1:]]])
+        q_nope, q_pe = ref.mla_queries(p, dims, x, [c])
+        want = ref.mla_attend(
+            p,
+            dims,
+            q_nope,
+            q_pe,
+            lat[:, : cfg.kv_lora_rank],
+            lat[:, cfg.kv_lora_rank :],
+            np.ones((1, c + 1), bool),
+        )
+        assert rel_err(out, want) < 1.5e-2
 
 
 def test_bfloat16_many_context_chunks_cost_no_accuracy(rng):
