@@ -404,6 +404,7 @@ MOSAIC_SWEEP = [
     dict(auto_barriers=True),
     dict(approx_math=False),
     dict(float16_mma=False),
+    dict(multicast=True),
 ]
 
 
@@ -423,7 +424,8 @@ def _mosaic_trials(rng, sizes: Sizes) -> list:
                 sizes,
                 v,
                 with_triton=not v,
-                with_fp8=not v or "float16_mma" in v,  # (an FP8-only option)
+                # (float16_mma is an FP8-only option; multicast copies both caches' pages)
+                with_fp8=not v or "float16_mma" in v or "multicast" in v,
             ),
         )
         for n, labels in sizes.mosaic_sweep_cases

@@ -73,6 +73,7 @@ SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
 # bf16 tiles they are dequantized into.
 FP8_SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(32))
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
+PAIR = "pair"  # the cluster axis of two head blocks that share each page's copy (multicast)
 # The register layout an FP8 page is dequantized in: four e4m3 values a thread in one 4-byte
 # shared-memory load without bank conflicts, their 16-bit values in one 8-byte store (the WGMMA
 # layout's two-value accesses conflicted; H200, 128 heads, 128 x 4096: 426 -> 408 us).
@@ -108,6 +109,15 @@ class MosaicDecodeConfig:
       runs of 2026-11-28 and the first of 2026-11-29): one 16384-token request 26.8 ->
       25.5 / 4.8 / 32.8 -> 36.6 us; 32 x 4096 129.1 -> 120.5 / 8.9 / 135.4 -> 136.0; 128 x
       4096 468.4 -> 434.0 / 20.4 / 478.5 -> 464.9.
+    multicast: with an even number of 64-head blocks (128 heads), each pair of blocks runs
+      as a cluster of two programs on the same items, and each page is copied from L2 once,
+      by TMA multicast into both (each program issues half of it); a slot is refilled once
+      both warpgroups of both programs are done with it (a cluster barrier). Both programs
+      of a pair read the same pages, so this halves the kernel's L2 reads (83% of L2
+      throughput at 128 heads, ncu, MOSAIC_GPU.md step 10). Off until it is timed on a GPU
+      (``bench_decode.py --sweep mgpu``; step 12): it lowers for sm90 and its compiled
+      tests are written, but neither has run on a GPU. Mosaic GPU's interpret mode runs no
+      cluster collectives: there the head blocks run apart (said once).
     """
 
     approx_math: bool = True
@@ -115,6 +125,7 @@ class MosaicDecodeConfig:
     lazy_rescale: bool = True
     float16_mma: bool = True
     float16_min_batch: int = 64
+    multicast: bool = False
 
 
 # The largest scale float16_mma's pages hold: e4m3's largest value 448 x 2^7 = 57344 is below
@@ -390,6 +401,30 @@ def _decode_call(
         )
     else:
         fp8_scratch = {}
+    head_blocks = heads // BLOCK_H
+    clustered = config.multicast and head_blocks % 2 == 0
+    if clustered and interpret:
+        mosaic_gpu.log_once(
+            log,
+            "mla_decode: Mosaic GPU's interpret mode runs no cluster collectives: the head "
+            "blocks run apart, each copying its own pages (multicast off)",
+        )
+        clustered = False
+    if clustered:
+        # Both warpgroups of both programs release a slot before either refills it (each
+        # refill writes into both programs' shared memory).
+        kv_free = plgpu.ClusterBarrier(
+            collective_axes=(PAIR,), num_arrivals=NUM_WARPGROUPS, num_barriers=NUM_SLOTS
+        )
+        grid = dict(
+            grid=(head_blocks // 2, programs),
+            grid_names=("h", "p"),
+            cluster=(2,),
+            cluster_names=(PAIR,),
+        )
+    else:
+        kv_free = plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS)  # warpgroup 1 -> 0
+        grid = dict(grid=(head_blocks, programs), grid_names=("h", "p"))
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), mma_dtype, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
@@ -405,7 +440,7 @@ def _decode_call(
         m_smem=plgpu.SMEM((NUM_WARPGROUPS, BLOCK_H), jnp.float32),
         l_smem=plgpu.SMEM((2, NUM_WARPGROUPS, BLOCK_H), jnp.float32),
         kv_ready=plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS),  # two copies a page
-        kv_free=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # warpgroup 1 -> 0
+        kv_free=kv_free,
         p_ready=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_WARPGROUPS),  # owner -> other
         q_ready=plgpu.Barrier(num_arrivals=2),
         q_free=plgpu.Barrier(num_arrivals=1),
@@ -418,6 +453,7 @@ def _decode_call(
             scale=scale,
             lazy_rescale=config.lazy_rescale,
             float16_scores=row_factors is not None,
+            clustered=clustered,
             interpret=bool(interpret),
         ),
         out_type=(
@@ -427,8 +463,7 @@ def _decode_call(
             jax.ShapeDtypeStruct((items, heads), jnp.float32),
         ),
         scratch_types=scratch,
-        grid=(heads // BLOCK_H, programs),
-        grid_names=("h", "p"),
+        **grid,
         num_threads=NUM_WARPGROUPS,
         thread_name="wg",
         **mosaic_gpu.kernel_options(config, interpret, NUM_WARPGROUPS),
@@ -472,6 +507,7 @@ def _kernel(
     scale,
     lazy_rescale,
     float16_scores,
+    clustered,
     interpret,
     fp8_smem=None,
     dq_ready=None,
@@ -494,7 +530,12 @@ def _kernel(
     half_width = lkv // NUM_WARPGROUPS
     wg = lax.axis_index("wg")
     p = lax.axis_index("p")
-    heads = pl.ds(lax.axis_index("h") * BLOCK_H, BLOCK_H)
+    head_block = lax.axis_index("h")
+    if clustered:
+        head_block = 2 * head_block + lax.axis_index(PAIR)
+    heads = pl.ds(head_block * BLOCK_H, BLOCK_H)
+    # A pair of programs copies each page once, into both (``MosaicDecodeConfig.multicast``).
+    page_copy = dict(collective_axes=PAIR) if clustered else {}
     first_item, last_item = prog_items_ref[p], prog_items_ref[p + 1]
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -589,8 +630,8 @@ def _kernel(
                     latent = cache_ref.at[block, :, pl.ds(0, lkv)]
                     rope = cache_ref.at[block, :, pl.ds(lkv, ROPE)]
                     latent_smem = kv_smem.at[slot]
-                plgpu.copy_gmem_to_smem(latent, latent_smem, kv_ready.at[slot])
-                plgpu.copy_gmem_to_smem(rope, pe_smem.at[slot], kv_ready.at[slot])
+                plgpu.copy_gmem_to_smem(latent, latent_smem, kv_ready.at[slot], **page_copy)
+                plgpu.copy_gmem_to_smem(rope, pe_smem.at[slot], kv_ready.at[slot], **page_copy)
 
             if w == 0:
                 # The item's queries once warpgroup 1 is done with the last item's, its
@@ -746,7 +787,8 @@ def _kernel(
                 if w == 0:
                     # Chunk 0 is ours: scores, softmax, publish, then our half of both
                     # chunks' products (chunk 1's probabilities come from warpgroup 1). The
-                    # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it.
+                    # slot is refilled with page k + NUM_SLOTS once warpgroup 1 releases it
+                    # (with multicast: once both programs' warpgroups do).
                     if refill_early:
                         s, _ = scores(w, slot, latent, 0, functools.partial(refill_previous, k))
                     else:
@@ -759,6 +801,8 @@ def _kernel(
                     )
                     alpha1 = online_softmax.rescale_factor(m0, m1)
                     acc, _ = accumulate(acc, alpha1, p_smem.at[slot, 1], values(latent, 1))
+                    if clustered:  # (alone, warpgroup 0's own order releases it)
+                        plgpu.barrier_arrive(kv_free.at[slot])
                     if not refill_early:
                         plgpu.barrier_wait(kv_free.at[slot])
                         pl.when(k + NUM_SLOTS < pages)(functools.partial(load_page, k + NUM_SLOTS))

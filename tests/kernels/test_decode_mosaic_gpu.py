@@ -26,6 +26,7 @@ out <= 2.1e-3.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -60,6 +61,8 @@ def _run(args, *, scale, schedule=None, **kwargs):
 
 
 LSE_TOL = 1e-5
+# Pairs of 64-head blocks as clusters of two, each page copied once into both (compiled only).
+MULTICAST = mosaic.MosaicDecodeConfig(multicast=True)
 
 
 def _check(args, scale, **kwargs):
@@ -178,12 +181,20 @@ def test_deepseek_dims(rng):
     reason="compiled on jax 0.11 only (0.12's lowering refuses the output stores)",
 )
 @pytest.mark.parametrize("cache_kind", ["bf16", "fp8", "fp8-float16"])
-@pytest.mark.parametrize("n", [16, 128])
-def test_lowers_for_sm90(n, cache_kind):
+@pytest.mark.parametrize(
+    "n,config",
+    [
+        (16, mosaic.MosaicDecodeConfig()),
+        (128, mosaic.MosaicDecodeConfig()),
+        pytest.param(128, MULTICAST, id="128-multicast"),
+    ],
+)
+def test_lowers_for_sm90(n, config, cache_kind):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
-    all but a few KB of it, with either cache, and with float16 wgmmas over FP8) are
-    checked there; only ptxas and the run need the GPU."""
+    all but a few KB of it, with either cache, and with float16 wgmmas over FP8), and the
+    cluster's multicast copies and barriers, are checked there; only ptxas and the run
+    need the GPU."""
     quantized, float16 = cache_kind != "bf16", cache_kind == "fp8-float16"
     b, heads, lkv = 4, mosaic.padded_heads(n), 512
     lens = np.array([300, 64, 1, 0])
@@ -202,7 +213,7 @@ def test_lowers_for_sm90(n, cache_kind):
             scale=0.07,
             programs=8,
             items=schedule.item_req.shape[0],
-            config=mosaic.MosaicDecodeConfig(),
+            config=config,
             interpret=False,
         )
     )
@@ -259,7 +270,7 @@ def test_bad_inputs_are_refused_like_triton(rng):
         mosaic.mla_decode(*a[:3], a[3] + 1000, jnp.asarray(lens), scale=1.0)
 
 
-def _check_at_deepseek_scale(rng, lens, n):
+def _check_at_deepseek_scale(rng, lens, n, config=None):
     """Requests of ``lens`` at DeepSeek's dims, page 64, split over the kernel's own
     program count: too slow to interpret, so GPU only."""
     args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
@@ -270,7 +281,7 @@ def _check_at_deepseek_scale(rng, lens, n):
         block_k=mosaic.PAGE,
         num_items=pallas_triton.max_items(len(lens), programs),
     )
-    _check(args, 0.07, schedule=schedule)
+    _check(args, 0.07, schedule=schedule, config=config)
 
 
 @pytest.mark.gpu
@@ -288,6 +299,63 @@ def test_one_request_among_padding_rows_compiled(rng, n):
     """One 16384-token request and 15 empty rows (the engine's smallest decode batch): split
     over every program and merged on that batch's default launch."""
     _check_at_deepseek_scale(rng, [16384] + [0] * 15, n)
+
+
+@pytest.mark.parametrize("n,clusters", [(64, None), (128, (1, 2)), (256, (2, 2))])
+def test_multicast_pairs_head_blocks(monkeypatch, n, clusters):
+    """With ``multicast``, compiled calls of an even number of 64-head blocks launch a
+    cluster of two programs per pair of blocks (grid: pairs x programs); one block, or
+    multicast off, or interpret mode (which runs no cluster collectives) launch no
+    cluster."""
+    launches = []
+    kernel = mosaic.plgpu.kernel
+    monkeypatch.setattr(
+        mosaic.plgpu,
+        "kernel",
+        lambda body, **kwargs: launches.append(kwargs) or kernel(body, **kwargs),
+    )
+    lkv, b = 128, 2
+    args = (
+        jax.ShapeDtypeStruct((b, n, lkv), BF16),
+        jax.ShapeDtypeStruct((b, n, mosaic.ROPE), BF16),
+        jax.ShapeDtypeStruct((4, mosaic.PAGE, lkv + mosaic.ROPE), BF16),
+        None,
+        jax.ShapeDtypeStruct((b, 2), jnp.int32),
+        jax.tree.map(
+            jnp.asarray,
+            pallas_triton.schedule_splits(np.array([70, 3]), num_programs=3, block_k=64),
+        ),
+    )
+    for config, interpret in ((MULTICAST, False), (mosaic.MosaicDecodeConfig(), False)) + (
+        ((MULTICAST, True),) if hasattr(plgpu, "InterpretGPUParams") else ()
+    ):
+        launches.clear()
+        jax.eval_shape(
+            functools.partial(
+                mosaic._decode_call,
+                scale=0.1,
+                programs=3,
+                items=args[-1].item_req.shape[0],
+                config=config,
+                interpret=interpret,
+            ),
+            *args,
+        )
+        (launch,) = launches
+        if config.multicast and not interpret and clusters is not None:
+            assert launch["grid"] == (clusters[0], 3) and launch["cluster"] == (2,)
+        else:
+            assert launch["grid"] == (n // mosaic.BLOCK_H, 3) and "cluster" not in launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [128, 256])
+def test_multicast_deepseek_scale_compiled(rng, n):
+    """test_deepseek_scale_compiled with each pair of head blocks as a cluster sharing its
+    page copies (two clusters a program index at 256 heads)."""
+    lens = rng.integers(1, 4096, 64)
+    lens[:4] = [4096, 1, 64, 0]
+    _check_at_deepseek_scale(rng, lens, n, MULTICAST)
 
 
 # The FP8 cache (``fp8.Fp8Cache``, test_fp8_cache's cases: latent magnitudes that differ by
@@ -401,7 +469,13 @@ def test_fp8_queries_of_any_magnitude(rng, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", MMA_CONFIGS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        *MMA_CONFIGS,
+        pytest.param(MULTICAST, id="multicast"),  # (64 requests: the float16 wgmmas)
+    ],
+)
 @pytest.mark.parametrize("n", [16, 64, 128])
 def test_fp8_deepseek_scale_compiled(rng, n, config):
     """test_deepseek_scale_compiled over the FP8 cache: a ragged batch of 64 requests up to
