@@ -57,8 +57,9 @@ def cpu_pool_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-# XLA's CPU pool for interpret mode: more threads than a kernel here has warpgroups (three)
-# and their caller, which block one each (``kernel_options``).
+# XLA's CPU pool for interpret mode: more threads than a kernel here has warpgroups (three;
+# four in a decode cluster of two programs) and their caller, which block one each
+# (``kernel_options``).
 INTERPRET_POOL_THREADS = 8
 
 
@@ -69,21 +70,25 @@ def widen_cpu_pool() -> None:
     os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_POOL_THREADS, cpu_pool_threads())))
 
 
-def kernel_options(config, interpret: bool, num_warpgroups: int) -> dict:
+def kernel_options(
+    config, interpret: bool, num_warpgroups: int, programs_per_cluster: int = 1
+) -> dict:
     """``plgpu.kernel``'s compile and interpret options from a Mosaic GPU kernel's frozen
     config (its ``approx_math`` and ``auto_barriers``).
 
-    Interpreted, each of the ``num_warpgroups`` warpgroups runs as a computation whose
-    callbacks block in mbarrier waits on a thread of XLA's CPU pool, and the kernel's caller
-    holds one more; a pool with fewer threads can deadlock (it did on 2 cores), which is
-    said once with the setting that avoids it."""
+    Interpreted, each of the ``num_warpgroups`` warpgroups of each of a cluster's
+    ``programs_per_cluster`` programs runs as a computation whose callbacks block in
+    mbarrier waits on a thread of XLA's CPU pool, and the kernel's caller holds one more; a
+    pool with fewer threads can deadlock (it did on 2 cores), which is said once with the
+    setting that avoids it."""
     threads = cpu_pool_threads()
-    if interpret and threads <= num_warpgroups:
+    blocking = num_warpgroups * programs_per_cluster + 1
+    if interpret and threads < blocking:
         log_once(
             log,
             f"Mosaic GPU interpret mode: XLA's CPU pool has {threads} threads and "
-            f"the kernel's {num_warpgroups} warpgroups and their caller block "
-            f"{num_warpgroups + 1}, so it can deadlock: set PJRT_NPROC={num_warpgroups + 1} "
+            f"the kernel's {num_warpgroups * programs_per_cluster} warpgroups and their "
+            f"caller block {blocking}, so it can deadlock: set PJRT_NPROC={blocking} "
             "or more before jax starts",
         )
     return dict(

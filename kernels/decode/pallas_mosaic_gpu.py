@@ -115,9 +115,10 @@ class MosaicDecodeConfig:
       both warpgroups of both programs are done with it (a cluster barrier). Both programs
       of a pair read the same pages, so this halves the kernel's L2 reads (83% of L2
       throughput at 128 heads, ncu, MOSAIC_GPU.md step 10). Off until it is timed on a GPU
-      (``bench_decode.py --sweep mgpu``; step 12): it lowers for sm90 and its compiled
-      tests are written, but neither has run on a GPU. Mosaic GPU's interpret mode runs no
-      cluster collectives: there the head blocks run apart (said once).
+      (``bench_decode.py --sweep mgpu``; step 12): it lowers for sm90 and passes in
+      Mosaic GPU's interpret mode, which runs the cluster's barriers as the GPU does but
+      each program's share of a multicast copy as a whole copy of its own; it has not run
+      on a GPU.
     """
 
     approx_math: bool = True
@@ -403,13 +404,6 @@ def _decode_call(
         fp8_scratch = {}
     head_blocks = heads // BLOCK_H
     clustered = config.multicast and head_blocks % 2 == 0
-    if clustered and interpret:
-        mosaic_gpu.log_once(
-            log,
-            "mla_decode: Mosaic GPU's interpret mode runs no cluster collectives: the head "
-            "blocks run apart, each copying its own pages (multicast off)",
-        )
-        clustered = False
     if clustered:
         # Both warpgroups of both programs release a slot before either refills it (each
         # refill writes into both programs' shared memory).
@@ -466,7 +460,9 @@ def _decode_call(
         **grid,
         num_threads=NUM_WARPGROUPS,
         thread_name="wg",
-        **mosaic_gpu.kernel_options(config, interpret, NUM_WARPGROUPS),
+        **mosaic_gpu.kernel_options(
+            config, interpret, NUM_WARPGROUPS, programs_per_cluster=2 if clustered else 1
+        ),
     )
     return kernel(
         schedule.prog_items,

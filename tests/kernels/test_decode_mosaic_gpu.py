@@ -73,10 +73,21 @@ def _check(args, scale, **kwargs):
     np.testing.assert_allclose(np.asarray(got[1])[live], want[1][live], rtol=0, atol=LSE_TOL)
 
 
-@pytest.mark.parametrize("n", [8, 16, 64, 128])
-def test_heads_lengths_and_splits(rng, n):
+@pytest.mark.parametrize(
+    "n,config",
+    [
+        (8, None),
+        (16, None),
+        (64, None),
+        (128, None),
+        pytest.param(128, MULTICAST, id="128-multicast"),
+        pytest.param(256, MULTICAST, id="256-multicast"),
+    ],
+)
+def test_heads_lengths_and_splits(rng, n, config):
     """Empty, one-token, page-boundary and ragged requests, each split over several
-    programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64, 128)."""
+    programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64, 128),
+    or pairs of 64-head blocks as clusters (multicast: one pair, and two at 256 heads)."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
     args = bf16_tests._case(rng, lens, n=n, lkv=128, r=64, block_size=64, dtype=BF16)
     programs = 4
@@ -86,7 +97,7 @@ def test_heads_lengths_and_splits(rng, n):
         block_k=mosaic.PAGE,
         num_items=pallas_triton.max_items(len(lens), programs),
     )
-    _check(args, 0.13, schedule=schedule)
+    _check(args, 0.13, schedule=schedule, config=config)
 
 
 def test_whole_requests_without_schedule(rng):
@@ -303,10 +314,9 @@ def test_one_request_among_padding_rows_compiled(rng, n):
 
 @pytest.mark.parametrize("n,pairs", [(64, None), (128, 1), (256, 2)])
 def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
-    """With ``multicast``, compiled calls of an even number of 64-head blocks launch a
-    cluster of two programs per pair of blocks (grid: pairs x programs); one block, or
-    multicast off, or interpret mode (which runs no cluster collectives) launch no
-    cluster."""
+    """With ``multicast``, calls of an even number of 64-head blocks launch a cluster of
+    two programs per pair of blocks (grid: pairs x programs), compiled and interpreted;
+    one block, or multicast off, launch no cluster."""
     launches = []
     kernel = mosaic.plgpu.kernel
     monkeypatch.setattr(
@@ -344,7 +354,7 @@ def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
             *args,
         )
         (launch,) = launches
-        if config.multicast and not interpret and pairs is not None:
+        if config.multicast and pairs is not None:
             assert launch["grid"] == (pairs, 3) and launch["cluster"] == (2,)
         else:
             assert launch["grid"] == (n // mosaic.BLOCK_H, 3) and "cluster" not in launch
@@ -435,6 +445,14 @@ def test_fp8_heads_lengths_and_splits(rng, n, config):
     each warpgroup's half of the columns; 16 heads padded to the 64-row tile."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
     _check_fp8(rng, lens, n=n, lkv=256, scale=0.13, programs=4, config=config)
+
+
+def test_fp8_multicast_heads_lengths_and_splits(rng):
+    """The same at 128 heads with both head blocks as a cluster (multicast: each staging
+    page copied once for both programs), float16 wgmmas."""
+    lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
+    config = mosaic.MosaicDecodeConfig(float16_min_batch=1, multicast=True)
+    _check_fp8(rng, lens, n=128, lkv=256, scale=0.13, programs=4, config=config)
 
 
 @pytest.mark.parametrize("config", MMA_CONFIGS)

@@ -48,8 +48,9 @@ def test_mosaic_gpu_forced():
     reason="Mosaic GPU interpret mode needs jax >= 0.11",
 )
 def test_small_interpret_pool_is_named(monkeypatch, caplog):
-    """Interpreted, a CPU pool without a thread per warpgroup and one for their caller is
-    a warning naming the setting (once); a large enough one, or compiled, says nothing."""
+    """Interpreted, a CPU pool without a thread per warpgroup (of every program of a
+    cluster) and one for their caller is a warning naming the setting (once); a large
+    enough one, or compiled, says nothing."""
     config = pallas_mosaic_gpu.MosaicDecodeConfig()
     monkeypatch.setattr(kernels.mosaic_gpu, "_logged", set())
     monkeypatch.setenv("PJRT_NPROC", "3")
@@ -66,6 +67,14 @@ def test_small_interpret_pool_is_named(monkeypatch, caplog):
     monkeypatch.setenv("PJRT_NPROC", "4")
     kernels.mosaic_gpu.kernel_options(config, True, 3)
     assert not caplog.records
+    # A cluster of two programs: each program's warpgroups block a thread.
+    monkeypatch.setattr(kernels.mosaic_gpu, "_logged", set())
+    kernels.mosaic_gpu.kernel_options(config, True, 2, programs_per_cluster=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Mosaic GPU interpret mode: XLA's CPU pool has 4 threads and the kernel's 4 "
+        "warpgroups and their caller block 5, so it can deadlock: set PJRT_NPROC=5 or more "
+        "before jax starts"
+    ]
 
 
 def _assert_schedules_equal(got, want):
