@@ -61,7 +61,8 @@ def _run(args, *, scale, schedule=None, **kwargs):
 
 
 LSE_TOL = 1e-5
-# Pairs of 64-head blocks as clusters of two, each page copied once into both (compiled only).
+# Pairs of 64-head blocks as clusters of two sharing each page copy (interpreted, the cluster
+# barriers run as on a GPU, but each program copies its whole page itself).
 MULTICAST = mosaic.MosaicDecodeConfig(multicast=True)
 
 
