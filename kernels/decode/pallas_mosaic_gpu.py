@@ -404,21 +404,17 @@ def _decode_call(
         fp8_scratch = {}
     head_blocks = heads // BLOCK_H
     clustered = config.multicast and head_blocks % 2 == 0
+    cluster = 2 if clustered else 1  # programs a cluster: the head blocks of a pair
+    grid = dict(grid=(head_blocks // cluster, programs), grid_names=("h", "p"))
     if clustered:
+        grid.update(cluster=(cluster,), cluster_names=(PAIR,))
         # Both warpgroups of both programs release a slot before either refills it (each
         # refill writes into both programs' shared memory).
         kv_free = plgpu.ClusterBarrier(
             collective_axes=(PAIR,), num_arrivals=NUM_WARPGROUPS, num_barriers=NUM_SLOTS
         )
-        grid = dict(
-            grid=(head_blocks // 2, programs),
-            grid_names=("h", "p"),
-            cluster=(2,),
-            cluster_names=(PAIR,),
-        )
     else:
         kv_free = plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS)  # warpgroup 1 -> 0
-        grid = dict(grid=(head_blocks, programs), grid_names=("h", "p"))
     scratch = dict(
         q_lat_smem=plgpu.SMEM((BLOCK_H, lkv), mma_dtype, transforms=swizzled),
         q_pe_smem=plgpu.SMEM((BLOCK_H, ROPE), bf16, transforms=swizzled),
@@ -461,7 +457,7 @@ def _decode_call(
         num_threads=NUM_WARPGROUPS,
         thread_name="wg",
         **mosaic_gpu.kernel_options(
-            config, interpret, NUM_WARPGROUPS, programs_per_cluster=2 if clustered else 1
+            config, interpret, NUM_WARPGROUPS, programs_per_cluster=cluster
         ),
     )
     return kernel(
