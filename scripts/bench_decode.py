@@ -404,7 +404,8 @@ MOSAIC_SWEEP = [
     dict(auto_barriers=True),
     dict(approx_math=False),
     dict(float16_mma=False),
-    dict(multicast=True),
+    dict(multicast=False),
+    dict(fp8_multicast=True),
 ]
 
 
@@ -424,8 +425,8 @@ def _mosaic_trials(rng, sizes: Sizes) -> list:
                 sizes,
                 v,
                 with_triton=not v,
-                # (float16_mma is an FP8-only option; multicast copies both caches' pages)
-                with_fp8=not v or "float16_mma" in v or "multicast" in v,
+                # (float16_mma and fp8_multicast are the FP8 cache's options)
+                with_fp8=not v or "float16_mma" in v or "fp8_multicast" in v,
             ),
         )
         for n, labels in sizes.mosaic_sweep_cases

@@ -109,16 +109,19 @@ class MosaicDecodeConfig:
       runs of 2026-11-28 and the first of 2026-11-29): one 16384-token request 26.8 ->
       25.5 / 4.8 / 32.8 -> 36.6 us; 32 x 4096 129.1 -> 120.5 / 8.9 / 135.4 -> 136.0; 128 x
       4096 468.4 -> 434.0 / 20.4 / 478.5 -> 464.9.
-    multicast: with an even number of 64-head blocks (128 heads), each pair of blocks runs
-      as a cluster of two programs on the same items, and each page is copied from L2 once,
-      by TMA multicast into both (each program issues half of it); a slot is refilled once
-      both warpgroups of both programs are done with it (a cluster barrier). Both programs
-      of a pair read the same pages, so this halves the kernel's L2 reads (83% of L2
-      throughput at 128 heads, ncu, MOSAIC_GPU.md step 10). Off until it is timed on a GPU
-      (``bench_decode.py --sweep mgpu``; step 12): it lowers for sm90 and passes in
-      Mosaic GPU's interpret mode, which runs the cluster's barriers as the GPU does but
-      each program's share of a multicast copy as a whole copy of its own; it has not run
-      on a GPU.
+    multicast: over a bf16 cache with an even number of 64-head blocks (128 heads), each
+      pair of blocks runs as a cluster of two programs on the same items, and each page is
+      copied from L2 once, by TMA multicast into both (each program issues half of it); a
+      slot is refilled once both warpgroups of both programs are done with it (a cluster
+      barrier). Both programs of a pair read the same pages, so this halves the kernel's L2
+      reads (83% of L2 throughput at 128 heads, ncu, MOSAIC_GPU.md step 10). 128 heads,
+      kernel time unpaired -> paired (H200, 2026-12-01, two runs each): 128 x 4096 313.4 ->
+      305.2 us, 64 x 16384 578.6 -> 558.9 us.
+    fp8_multicast: the same over the FP8 cache (its e4m3 staging and bf16 rope pages copied
+      once for the pair). Off: it is slower there, 128 heads 128 x 4096 403.3 -> 415.9 us and
+      64 x 16384 761.4 -> 789.0 us (same runs), where the kernel is bound by each program's
+      dequantization rather than L2, and the shared release ties each program to its
+      peer's slower page.
     """
 
     approx_math: bool = True
@@ -126,7 +129,8 @@ class MosaicDecodeConfig:
     lazy_rescale: bool = True
     float16_mma: bool = True
     float16_min_batch: int = 64
-    multicast: bool = False
+    multicast: bool = True
+    fp8_multicast: bool = False
 
 
 # The largest scale float16_mma's pages hold: e4m3's largest value 448 x 2^7 = 57344 is below
@@ -403,7 +407,7 @@ def _decode_call(
     else:
         fp8_scratch = {}
     head_blocks = heads // BLOCK_H
-    clustered = config.multicast and head_blocks % 2 == 0
+    clustered = (config.fp8_multicast if quantized else config.multicast) and head_blocks % 2 == 0
     cluster = 2 if clustered else 1  # programs a cluster: the head blocks of a pair
     grid = dict(grid=(head_blocks // cluster, programs), grid_names=("h", "p"))
     if clustered:
@@ -526,7 +530,8 @@ def _kernel(
     if clustered:
         head_block = 2 * head_block + lax.axis_index(PAIR)
     heads = pl.ds(head_block * BLOCK_H, BLOCK_H)
-    # A pair of programs copies each page once, into both (``MosaicDecodeConfig.multicast``).
+    # A pair of programs copies each page once, into both (``MosaicDecodeConfig.multicast``,
+    # ``fp8_multicast``).
     page_copy = dict(collective_axes=PAIR) if clustered else {}
     first_item, last_item = prog_items_ref[p], prog_items_ref[p + 1]
     wgmma_layout = plgpu.Layout.WGMMA

@@ -61,9 +61,11 @@ def _run(args, *, scale, schedule=None, **kwargs):
 
 
 LSE_TOL = 1e-5
-# Pairs of 64-head blocks as clusters of two sharing each page copy (interpreted, the cluster
-# barriers run as on a GPU, but each program copies its whole page itself).
-MULTICAST = mosaic.MosaicDecodeConfig(multicast=True)
+# By default pairs of 64-head blocks over a bf16 cache run as clusters of two sharing each
+# page copy (interpreted, the cluster barriers run as on a GPU, but each program copies its
+# whole page itself); UNPAIRED runs each block alone, FP8_PAIRED pairs the FP8 cache's too.
+UNPAIRED = mosaic.MosaicDecodeConfig(multicast=False)
+FP8_PAIRED = mosaic.MosaicDecodeConfig(fp8_multicast=True)
 
 
 def _check(args, scale, **kwargs):
@@ -81,14 +83,15 @@ def _check(args, scale, **kwargs):
         (16, None),
         (64, None),
         (128, None),
-        pytest.param(128, MULTICAST, id="128-multicast"),
-        pytest.param(256, MULTICAST, id="256-multicast"),
+        (256, None),
+        pytest.param(128, UNPAIRED, id="128-unpaired"),
     ],
 )
 def test_heads_lengths_and_splits(rng, n, config):
     """Empty, one-token, page-boundary and ragged requests, each split over several
-    programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64, 128),
-    or pairs of 64-head blocks as clusters (multicast: one pair, and two at 256 heads)."""
+    programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64), pairs
+    of 64-head blocks as clusters (multicast: one pair at 128 heads, two at 256), or each
+    block alone (unpaired)."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
     args = bf16_tests._case(rng, lens, n=n, lkv=128, r=64, block_size=64, dtype=BF16)
     programs = 4
@@ -198,7 +201,10 @@ def test_deepseek_dims(rng):
     [
         (16, mosaic.MosaicDecodeConfig()),
         (128, mosaic.MosaicDecodeConfig()),
-        pytest.param(128, MULTICAST, id="128-multicast"),
+        # Pairs over the FP8 cache, none over bf16: with the defaults, every combination.
+        pytest.param(
+            128, mosaic.MosaicDecodeConfig(multicast=False, fp8_multicast=True), id="128-swapped"
+        ),
     ],
 )
 def test_lowers_for_sm90(n, config, cache_kind):
@@ -315,9 +321,9 @@ def test_one_request_among_padding_rows_compiled(rng, n):
 
 @pytest.mark.parametrize("n,pairs", [(64, None), (128, 1), (256, 2)])
 def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
-    """With ``multicast``, calls of an even number of 64-head blocks launch a cluster of
-    two programs per pair of blocks (grid: pairs x programs), compiled and interpreted;
-    one block, or multicast off, launch no cluster."""
+    """Over a bf16 cache (``multicast``, the default), calls of an even number of 64-head
+    blocks launch a cluster of two programs per pair of blocks (grid: pairs x programs),
+    compiled and interpreted; one block, or multicast off, launch no cluster."""
     launches = []
     kernel = mosaic.plgpu.kernel
     monkeypatch.setattr(
@@ -338,9 +344,9 @@ def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
         ),
     )
     for config, interpret in (
-        (MULTICAST, False),
         (mosaic.MosaicDecodeConfig(), False),
-        (MULTICAST, True),
+        (UNPAIRED, False),
+        (mosaic.MosaicDecodeConfig(), True),
     ):
         launches.clear()
         jax.eval_shape(
@@ -364,11 +370,11 @@ def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [128, 256])
 def test_multicast_deepseek_scale_compiled(rng, n):
-    """test_deepseek_scale_compiled with each pair of head blocks as a cluster sharing its
-    page copies (two clusters a program index at 256 heads)."""
+    """test_deepseek_scale_compiled at 256 heads (two clusters a program index) and at 128
+    heads with each head block alone (unpaired)."""
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
-    _check_at_deepseek_scale(rng, lens, n, MULTICAST)
+    _check_at_deepseek_scale(rng, lens, n, None if n == 256 else UNPAIRED)
 
 
 # The FP8 cache (``fp8.Fp8Cache``, test_fp8_cache's cases: latent magnitudes that differ by
@@ -449,10 +455,10 @@ def test_fp8_heads_lengths_and_splits(rng, n, config):
 
 
 def test_fp8_multicast_heads_lengths_and_splits(rng):
-    """The same at 128 heads with both head blocks as a cluster (multicast: each staging
-    page copied once for both programs), float16 wgmmas."""
+    """The same at 128 heads with both head blocks as a cluster (fp8_multicast: each
+    staging page copied once for both programs), float16 wgmmas."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
-    config = mosaic.MosaicDecodeConfig(float16_min_batch=1, multicast=True)
+    config = mosaic.MosaicDecodeConfig(float16_min_batch=1, fp8_multicast=True)
     _check_fp8(rng, lens, n=128, lkv=256, scale=0.13, programs=4, config=config)
 
 
@@ -494,7 +500,7 @@ def test_fp8_queries_of_any_magnitude(rng, config):
     "config",
     [
         *MMA_CONFIGS,
-        pytest.param(MULTICAST, id="multicast"),  # (64 requests: the float16 wgmmas)
+        pytest.param(FP8_PAIRED, id="multicast"),  # (64 requests: the float16 wgmmas)
     ],
 )
 @pytest.mark.parametrize("n", [16, 64, 128])
