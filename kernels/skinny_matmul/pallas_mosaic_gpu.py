@@ -1,0 +1,259 @@
+"""``x [M, K] @ weight [K, N]`` for few rows (M <= 64) on Mosaic GPU (Hopper, sm90).
+
+At decode's row counts a projection reads its whole weight to make a few output rows, so its
+time is the weight's bytes over the copy bandwidth, and what a kernel must do is keep enough
+copies in flight on every multiprocessor. Each program owns ``block_n`` output columns and one
+of ``splits`` slices of K; a memory warpgroup streams the slice's ``[block_k, block_n]``
+weight tiles and the matching ``[rows, block_k]`` tiles of x by TMA, ``stages`` steps ahead,
+into a ring that one compute warpgroup multiplies out of
+(``plgpu.emit_pipeline_warp_specialized``). The product runs transposed, ``out^T = weight^T
+x^T``: the weight's columns fill the wgmma's 64-row M side and x's rows its N side, so x is
+padded to a multiple of 8 rows, not to 64, and a step copies ``rows x block_k`` of it. The
+program writes its ``[block_n, rows]`` block of ``out^T``; XLA transposes it back (with the
+float32 sum of K's slices where there are several), which it fuses into the next elementwise
+op where there is one. A stacked weight ``[L, K, N]`` is read in place at ``layer``: no copy
+of a layer's weight is made for the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .. import mosaic_gpu, online_softmax
+from ..decode import DEFAULT_NUM_SMS
+
+MAX_ROWS = 64  # x's rows on the wgmma's N side: 8 to 64 in steps of 8 keep one warpgroup's
+# accumulator within its registers
+COLUMN_BLOCKS = (128, 64)  # block_n: the widest of these that divides N
+NUM_WARPGROUPS = 2  # one computes, one copies
+SMEM_BYTES = 232448  # an sm90 program's shared memory (227 KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyMatmulConfig:
+    """Launch of the skinny matmul (None: chosen by ``launch`` for the shape).
+
+    block_n: output columns a program, a multiple of 64 that divides N (None: the widest of
+      ``COLUMN_BLOCKS`` that does).
+    block_k: K a pipeline step, a multiple of 64 (one 128-byte swizzled row of bf16).
+    stages: pipeline steps in flight (weight tiles copied ahead of the wgmmas).
+    splits: slices of K, each run by programs of its own (None: the fewest, among the
+      divisors of ``K / block_k`` that leave a slice ``stages`` steps, that give every
+      multiprocessor a program; the largest such when none does).
+    approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
+    """
+
+    block_n: int | None = None
+    block_k: int = 64
+    stages: int = 4
+    splits: int | None = None
+    approx_math: bool = True
+    auto_barriers: bool = False
+
+
+def check(x: jax.Array, weight: jax.Array, layer: int | None) -> None:
+    """Refuses, in one line naming it, an argument ``skinny_matmul`` does not take."""
+    if x.ndim != 2 or weight.ndim not in (2, 3):
+        raise ValueError(
+            f"skinny_matmul: x [M, K] and weight [K, N] or [L, K, N], got x {x.shape} and "
+            f"weight {weight.shape}"
+        )
+    if x.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
+        raise ValueError(f"skinny_matmul: bfloat16 x and weight, got {x.dtype} and {weight.dtype}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"skinny_matmul: 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
+    if x.shape[1] != weight.shape[-2]:
+        raise ValueError(
+            f"skinny_matmul: x's K ({x.shape[1]}) is not the weight's ({weight.shape[-2]})"
+        )
+    if (weight.ndim == 3) != (layer is not None):
+        raise ValueError(
+            "skinny_matmul: a layer index goes with a stacked [L, K, N] weight and only "
+            f"with one (weight {weight.shape}, layer {layer})"
+        )
+    if layer is not None and not (isinstance(layer, int) and 0 <= layer < weight.shape[0]):
+        raise ValueError(
+            f"skinny_matmul: layer must be a static int in [0, {weight.shape[0]}), got {layer!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A config with every field resolved for one shape."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    splits: int
+
+
+def launch(m: int, k: int, n: int, config: SkinnyMatmulConfig, num_sms: int) -> Launch:
+    """``config``'s fields resolved for a ``[M, K] @ [K, N]`` on ``num_sms`` multiprocessors
+    (ValueError where the shape does not tile: see ``unsupported``)."""
+    if config.block_n is not None and (config.block_n < 64 or config.block_n % 64):
+        raise ValueError(f"skinny_matmul: block_n {config.block_n} is not a multiple of 64")
+    if config.stages < 1 or (config.splits is not None and config.splits < 1):
+        raise ValueError(
+            f"skinny_matmul: stages ({config.stages}) and splits ({config.splits}) must be "
+            "at least 1"
+        )
+    block_n = config.block_n or next((b for b in COLUMN_BLOCKS if n % b == 0), None)
+    if block_n is None or n % block_n:
+        raise ValueError(f"skinny_matmul: N {n} does not split into blocks of {block_n or 64}")
+    if config.block_k < 64 or config.block_k % 64 or k % config.block_k:
+        raise ValueError(
+            f"skinny_matmul: K {k} does not split into steps of {config.block_k} (a multiple of 64)"
+        )
+    steps = k // config.block_k
+    splits = config.splits
+    if splits is None:
+        fits = [d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= config.stages]
+        fits = fits or [1]
+        splits = next((d for d in fits if d * (n // block_n) >= num_sms), fits[-1])
+    if steps % splits:
+        raise ValueError(
+            f"skinny_matmul: {splits} slices of K do not divide its {steps} steps of "
+            f"{config.block_k}"
+        )
+    smem = shared_memory(block_n, config.block_k, config.stages, splits, m)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"skinny_matmul: {config.stages} stages of [{padded_rows(m)}, {config.block_k}] and "
+            f"[{config.block_k}, {block_n}] tiles need {smem} bytes of shared memory "
+            f"(has {SMEM_BYTES})"
+        )
+    return Launch(block_n, config.block_k, config.stages, splits)
+
+
+def padded_rows(rows: int) -> int:
+    """x's rows as the kernel runs them: a multiple of 8 (the wgmma's N step)."""
+    return -(-rows // 8) * 8
+
+
+def shared_memory(block_n: int, block_k: int, stages: int, splits: int, rows: int) -> int:
+    """Bytes of shared memory a program takes: the ring of bf16 tiles of x and the weight,
+    and the output tile (float32 where K is split)."""
+    out_bytes = 2 if splits == 1 else 4
+    rows = padded_rows(rows)
+    return stages * (rows + block_n) * block_k * 2 + block_n * rows * out_bytes
+
+
+def unsupported(x: jax.Array, weight: jax.Array, config: SkinnyMatmulConfig | None = None):
+    """Why the kernel cannot run this product here (None: it can): a shape that does not
+    tile, or a device or jax that does not run Mosaic GPU kernels."""
+    try:
+        launch(*x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), DEFAULT_NUM_SMS)
+    except ValueError as error:
+        return str(error).removeprefix("skinny_matmul: ")
+    return mosaic_gpu.device_unsupported()
+
+
+def num_sms() -> int:
+    """The multiprocessors ``launch`` plans for: this GPU's, or an H100/H200's off one."""
+    if jax.default_backend() == "gpu":
+        return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_SMS
+    return DEFAULT_NUM_SMS
+
+
+def skinny_matmul(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    layer: int | None = None,
+    config: SkinnyMatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``x @ weight`` (``x @ weight[layer]`` for a stacked weight, read in place).
+
+    Args:
+      x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``.
+      weight: ``[K, N]`` bfloat16, or ``[L, K, N]`` with ``layer`` (static) in ``[0, L)``;
+        K a multiple of ``config.block_k``, N of 64.
+      config: the launch (None: the defaults, resolved for the shape by ``launch``).
+      interpret: Mosaic GPU's interpret mode (None: off a GPU).
+
+    Returns:
+      ``[M, N]`` bfloat16, accumulated in float32 (summed in float32 across K's slices).
+    """
+    check(x, weight, layer)
+    config = config or SkinnyMatmulConfig()
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    m, k = x.shape
+    n = weight.shape[-1]
+    plan = launch(m, k, n, config, num_sms())
+    rows = padded_rows(m)
+    padded = jnp.pad(x, ((0, rows - m), (0, 0)))
+    out_dtype = x.dtype if plan.splits == 1 else jnp.float32
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, plan=plan, layer=layer),
+        out_type=jax.ShapeDtypeStruct((plan.splits, n, rows), out_dtype),
+        scratch_types=dict(out_smem=plgpu.SMEM((plan.block_n, rows), out_dtype)),
+        grid=(n // plan.block_n, plan.splits),
+        grid_names=("n", "split"),
+        num_threads=NUM_WARPGROUPS,
+        thread_name="wg",
+        **mosaic_gpu.kernel_options(config, interpret, NUM_WARPGROUPS),
+    )
+    transposed = jax.named_call(kernel, name="skinny_matmul")(padded, weight)
+    if plan.splits > 1:
+        transposed = transposed.sum(axis=0, keepdims=True)
+    return transposed[0].T[:m].astype(x.dtype)
+
+
+def _swizzled(row_elements: int) -> tuple:
+    """A bf16 tile's transforms for wgmma: 8-row tiles, the widest swizzle its rows allow
+    (128 bytes from 64 elements)."""
+    swizzle = plgpu.find_swizzle(row_elements * 16)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(x_gmem, w_gmem, out_gmem, out_smem, *, plan: Launch, layer):
+    """One program: ``out^T``'s rows ``n`` (the output's columns) from slice ``split`` of K,
+    ``[block_n, rows]``."""
+    rows, k = x_gmem.shape
+    steps = k // plan.block_k // plan.splits
+    split = lax.axis_index("split")
+    k_slice = pl.ds(split * steps * plan.block_k, steps * plan.block_k)
+    columns = pl.ds(lax.axis_index("n") * plan.block_n, plan.block_n)
+    weight = w_gmem if layer is None else w_gmem.at[layer]
+
+    def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((plan.block_n, rows), jnp.float32))
+        def _(acc):
+            run_pipeline(acc)
+            out_smem[...] = acc[...].astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, columns])
+            plgpu.wait_smem_to_gmem(0)
+
+    def step(_, x_tile, w_tile, acc):
+        # out^T [block_n, rows] += w_tile^T [block_n, block_k] @ x_tile^T [block_k, rows]
+        plgpu.wgmma(acc, w_tile.transpose((1, 0)), x_tile.transpose((1, 0)))
+        plgpu.wgmma_wait(0)  # the slot goes back to the copies once its product is done
+        return acc
+
+    plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec(
+                (rows, plan.block_k), lambda i: (0, i), transforms=_swizzled(plan.block_k)
+            ),
+            plgpu.BlockSpec(
+                (plan.block_k, plan.block_n), lambda i: (i, 0), transforms=_swizzled(plan.block_n)
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=plan.stages,
+        compute_context=compute_context,
+    )(x_gmem.at[:, k_slice], weight.at[k_slice, columns])

@@ -1,0 +1,177 @@
+"""The skinny matmul (``kernels/skinny_matmul``) against float64 NumPy products: the Mosaic GPU
+kernel (interpreted on the CPU, jax >= 0.11; compiled on a GPU) and its reference.
+
+Tolerance: each output element within one bf16 spacing of the exact product, plus the
+float32 accumulation's own bound (2^-20 x sum |x||w| over K): the kernel rounds a float32
+sum once into bf16, so a correct result is one of the two bf16 values around the exact one.
+A stacked weight's other layers hold NaN, so a read outside the layer fails the comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax.kernels import skinny_matmul as skinny
+from mla_jax.kernels.skinny_matmul import pallas_mosaic_gpu as mosaic
+
+BF16 = jnp.bfloat16
+Config = skinny.SkinnyMatmulConfig
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+mosaic_gpu_runs = pytest.mark.skipif(
+    jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"),
+    reason="Mosaic GPU interpret mode needs jax >= 0.11",
+)
+
+
+def _case(rng, m, k, n, layers=None):
+    """x [m, k] and a weight [k, n] (or [layers, k, n] whose every layer but the last is
+    NaN), bf16, with the layer the product reads."""
+    x = jnp.asarray(rng.standard_normal((m, k)), BF16)
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    if layers is None:
+        return x, jnp.asarray(w, BF16), None
+    stacked = np.full((layers, k, n), np.nan)
+    stacked[-1] = w
+    return x, jnp.asarray(stacked, BF16), layers - 1
+
+
+def _check(got, x, weight, layer):
+    w = np.asarray(weight if layer is None else weight[layer], np.float64)
+    x = np.asarray(x, np.float64)
+    want = x @ w
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape
+    spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
+    bound = spacing + 2.0**-20 * (np.abs(x) @ np.abs(w))
+    excess = np.abs(got - want) - bound
+    assert np.isfinite(got).all() and excess.max() <= 0, f"worst excess {excess.max():.3g}"
+
+
+@mosaic_gpu_runs
+@pytest.mark.parametrize(
+    "m,k,n,config,layers",
+    [
+        (1, 256, 128, None, None),  # one slice, bf16 out
+        (5, 512, 192, Config(splits=2), None),  # 64-column blocks, rows not a multiple of 8
+        (64, 256, 128, Config(splits=4, stages=1), 3),  # a full tile, a slice a step
+        (3, 384, 256, Config(block_k=128, stages=2), 2),  # 128-deep steps, 3 of them
+        (17, 512, 128, None, 4),  # launch's own split: 4 slices of 2 steps
+    ],
+)
+def test_matches_float64(rng, m, k, n, config, layers):
+    """Row counts from one to a full tile, one and several slices of K (float32 parts
+    summed), block sizes and stacked weights read at their layer."""
+    x, weight, layer = _case(rng, m, k, n, layers)
+    got = skinny.skinny_matmul(x, weight, layer=layer, config=config)
+    _check(got, x, weight, layer)
+
+
+def test_reference_matches_float64(rng):
+    x, weight, layer = _case(rng, 7, 192, 96, layers=3)
+    _check(skinny.reference.skinny_matmul(x, weight, layer=layer), x, weight, layer)
+
+
+@pytest.mark.parametrize(
+    "k,n,config,want",
+    [
+        (2048, 10944, Config(), mosaic.Launch(64, 64, 4, 1)),  # 171 column blocks of 64
+        (10944, 2048, Config(), mosaic.Launch(128, 64, 4, 9)),  # 171 steps: 9 x 16 blocks
+        (512, 576, Config(), mosaic.Launch(64, 64, 4, 2)),  # slices no shorter than stages
+        (7168, 1536, Config(stages=8), mosaic.Launch(128, 64, 8, 14)),  # V3's q_a_proj
+        (2048, 3072, Config(splits=2, block_k=128), mosaic.Launch(128, 128, 4, 2)),  # as given
+        (256, 128, Config(stages=8), mosaic.Launch(128, 64, 8, 1)),  # fewer steps than stages
+    ],
+)
+def test_launch(k, n, config, want):
+    """``launch`` on V2-Lite's and V3's projection shapes: the fewest slices that give 132
+    multiprocessors a program each, among those that leave a slice ``stages`` steps."""
+    assert mosaic.launch(16, k, n, config, num_sms=132) == want
+
+
+@pytest.mark.parametrize(
+    "x,weight,layer,config,message",
+    [
+        ((1, 64), (2, 2, 64, 64), None, None, "x [M, K] and weight"),
+        ((1, 64), (64, 64), None, None, "bfloat16 x and weight"),  # float32 x (below)
+        ((65, 64), (64, 64), None, None, "1 to 64 rows of x"),
+        ((2, 128), (64, 64), None, None, "x's K (128) is not the weight's (64)"),
+        ((2, 64), (3, 64, 64), None, None, "a layer index goes with a stacked"),
+        ((2, 64), (64, 64), 0, None, "a layer index goes with a stacked"),
+        ((2, 64), (3, 64, 64), 3, None, "layer must be a static int in [0, 3)"),
+        ((2, 64), (64, 96), None, None, "N 96 does not split into blocks of 64"),
+        ((2, 96), (96, 64), None, None, "K 96 does not split into steps of 64"),
+        ((2, 192), (192, 64), None, Config(splits=2), "2 slices of K do not divide its 3"),
+        ((2, 64), (64, 64), None, Config(block_n=96), "block_n 96 is not a multiple of 64"),
+        ((2, 64), (64, 64), None, Config(stages=0), "stages (0) and splits (None) must be"),
+        ((2, 64), (64, 64), None, Config(block_k=32), "K 64 does not split into steps of 32"),
+        ((2, 256), (256, 128), None, Config(block_k=128, stages=8), "need 280576 bytes"),
+    ],
+)
+def test_refuses(x, weight, layer, config, message):
+    """Shapes, dtypes, layers and launches it does not take, each refused in one line that
+    names it (by the kernel and the reference alike where the arguments are the cause)."""
+    x_dtype = jnp.float32 if message.startswith("bfloat16") else BF16
+    args = jnp.zeros(x, x_dtype), jnp.zeros(weight, BF16)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        skinny.skinny_matmul(*args, layer=layer, config=config)
+    if config is None and "split" not in message:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            skinny.reference.skinny_matmul(*args, layer=layer)
+
+
+def test_unsupported_names_the_shape():
+    x = jax.ShapeDtypeStruct((4, 96), BF16)
+    assert skinny.unsupported(x, jax.ShapeDtypeStruct((96, 64), BF16)).startswith("K 96")
+    x = jax.ShapeDtypeStruct((4, 128), BF16)
+    reason = skinny.unsupported(x, jax.ShapeDtypeStruct((128, 128), BF16))
+    assert reason == mosaic.mosaic_gpu.device_unsupported()
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
+    reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",
+)
+@pytest.mark.parametrize(
+    "m,k,n,layers,config",
+    [
+        (1, 2048, 10944, 27, None),  # V2-Lite's gate (and up) projection, stacked
+        (5, 10944, 2048, 27, None),  # its down projection: 9 slices, float32 parts
+        (64, 2048, 3072, None, Config(block_k=128)),  # the fullest shared memory
+        (16, 512, 576, None, None),
+    ],
+)
+def test_lowers_for_sm90(m, k, n, layers, config):
+    """The sm90 lowering (layout inference, TMA shapes, shared memory) of decode-sized
+    projections, on any machine; only ptxas and the run need the GPU."""
+    f = jax.jit(
+        functools.partial(
+            skinny.skinny_matmul,
+            layer=None if layers is None else layers - 1,
+            config=config,
+            interpret=False,
+        )
+    )
+    weight = jax.ShapeDtypeStruct((k, n) if layers is None else (layers, k, n), BF16)
+    lowered = f.trace(jax.ShapeDtypeStruct((m, k), BF16), weight).lower(
+        lowering_platforms=("cuda",)
+    )
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(2048, 10944), (10944, 2048), (2048, 3072), (512, 576)])
+def test_deepseek_shapes_compiled(rng, m, k, n):
+    """V2-Lite's projections at decode's row counts, stacked as the model stacks them (GPU
+    only: too large to interpret)."""
+    x, weight, layer = _case(rng, m, k, n, layers=2)
+    _check(
+        jax.jit(functools.partial(skinny.skinny_matmul, layer=layer))(x, weight), x, weight, layer
+    )
