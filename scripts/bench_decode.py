@@ -359,7 +359,8 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
             f"Copy bandwidth measured in the same run: {copy.gbs:.0f} GB/s (read + write; "
             f"{copy.method}).",
             "Both kernels on the same inputs in the same run, each with its own default "
-            "launch (Mosaic: 64 heads a program, one program a multiprocessor; Triton: "
+            "launch (Mosaic: 64 heads a program, one program a multiprocessor, at 128 heads "
+            "the two head blocks as a cluster sharing each page's copy; Triton: "
             "DecodeConfig.for_shape) and its own split-KV plan; us includes the combine "
             "kernel.",
             f"TFLOP/s counts 2 x N x context x ({width} + {sizes.lkv}) (N = 16 is padded to 64 "
