@@ -210,11 +210,9 @@ class KernelPlan:
     ) -> KernelPlan:
         """The plan for ``device`` (default: the first one): its multiprocessor count, or an
         H100's / H200's where it reports none (a CPU running the kernels interpreted)."""
-        device = device or jax.devices()[0]
-        num_sms = getattr(device, "core_count", None) or decode.DEFAULT_NUM_SMS
         return cls(
             num_heads,
-            num_sms,
+            decode.device_num_sms(device),
             backend=backend,
             quantized_cache=quantized_cache,
             page_size=page_size,

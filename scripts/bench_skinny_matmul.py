@@ -28,6 +28,7 @@ from benchlib import copy_bandwidth, jsonable, parse_args, parser, row, run, sav
 
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import skinny_matmul as skinny
+from mla_jax.kernels.decode import device_num_sms
 from mla_jax.kernels.skinny_matmul import pallas_mosaic_gpu
 from mla_jax.model.layers import k_splits, split_k_dot
 
@@ -113,7 +114,7 @@ def _kernel_case(x, stacks, config: Config, bandwidth_gbs: float) -> dict:
     reason = skinny.unsupported(x, stacks[0], config)
     if reason is not None:
         return {"unsupported": reason}
-    plan = pallas_mosaic_gpu.launch(x.shape[0], k, n, config, pallas_mosaic_gpu.num_sms())
+    plan = pallas_mosaic_gpu.launch(x.shape[0], k, n, config, device_num_sms())
     f = _compiled(functools.partial(skinny.skinny_matmul, layer=1, config=config), x, stacks[0])
     t = time_us(f, [(x, s) for s in stacks])
     return {

@@ -40,6 +40,13 @@ from .. import fp8, online_softmax
 DEFAULT_NUM_SMS = 132  # H100 / H200
 
 
+def device_num_sms(device: jax.Device | None = None) -> int:
+    """``device``'s multiprocessors (default: the first device), or an H100's / H200's where
+    it reports none (a CPU running the kernels interpreted)."""
+    device = device or jax.devices()[0]
+    return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
 def padded_heads(num_heads: int) -> int:
     """Heads the kernel runs: N rounded up to a multiple of 16, the fewest rows of a dot.
     The padding heads get zero queries and are dropped from the output."""

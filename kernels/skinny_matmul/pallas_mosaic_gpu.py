@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import mosaic_gpu, online_softmax
-from ..decode import DEFAULT_NUM_SMS
+from ..decode import device_num_sms
 
 MAX_ROWS = 64  # x's rows on the wgmma's N side: 8 to 64 in steps of 8 keep one warpgroup's
 # accumulator within its registers
@@ -149,17 +149,10 @@ def unsupported(x: jax.Array, weight: jax.Array, config: SkinnyMatmulConfig | No
     """Why the kernel cannot run this product here (None: it can): a shape that does not
     tile, or a device or jax that does not run Mosaic GPU kernels."""
     try:
-        launch(*x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), DEFAULT_NUM_SMS)
+        launch(*x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), device_num_sms())
     except ValueError as error:
         return str(error).removeprefix("skinny_matmul: ")
     return mosaic_gpu.device_unsupported()
-
-
-def num_sms() -> int:
-    """The multiprocessors ``launch`` plans for: this GPU's, or an H100/H200's off one."""
-    if jax.default_backend() == "gpu":
-        return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_SMS
-    return DEFAULT_NUM_SMS
 
 
 def skinny_matmul(
@@ -188,7 +181,7 @@ def skinny_matmul(
         interpret = online_softmax.interpret_default()
     m, k = x.shape
     n = weight.shape[-1]
-    plan = launch(m, k, n, config, num_sms())
+    plan = launch(m, k, n, config, device_num_sms())
     rows = padded_rows(m)
     padded = jnp.pad(x, ((0, rows - m), (0, 0)))
     out_dtype = x.dtype if plan.splits == 1 else jnp.float32
@@ -203,9 +196,8 @@ def skinny_matmul(
         **mosaic_gpu.kernel_options(config, interpret, NUM_WARPGROUPS),
     )
     transposed = jax.named_call(kernel, name="skinny_matmul")(padded, weight)
-    if plan.splits > 1:
-        transposed = transposed.sum(axis=0, keepdims=True)
-    return transposed[0].T[:m].astype(x.dtype)
+    transposed = transposed.sum(axis=0) if plan.splits > 1 else transposed[0]
+    return transposed.T[:m].astype(x.dtype)
 
 
 def _swizzled(row_elements: int) -> tuple:
