@@ -1,7 +1,9 @@
 """The matmul of few rows (decode's projections, ``[M <= 64, K] @ [K, N]``) as a Mosaic GPU
 kernel that streams the weight through shared memory at the copy bandwidth, and its pure-jnp
-reference (``reference.skinny_matmul``, the same signature). Not yet called by the model:
-``scripts/bench_skinny_matmul.py`` times it against XLA's dot (cuBLAS) first."""
+reference (``reference.skinny_matmul``, the same signature). Not called by the model: at the
+engine's decode rows (16 and 64) it is no faster than XLA's dot (cuBLAS) on most
+projections, and a V2-Lite decode step ran 1-7% slower with it
+(``scripts/bench_skinny_matmul.py``; README, Kernels)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ into a ring that one compute warpgroup multiplies out of
 (``plgpu.emit_pipeline_warp_specialized``). The product runs transposed, ``out^T = weight^T
 x^T``: the weight's columns fill the wgmma's 64-row M side and x's rows its N side, so x is
 padded to a multiple of 8 rows, not to 64, and a step copies ``rows x block_k`` of it. The
+warp-specialized pipeline gives a program a multiprocessor's registers, so one program runs
+on an SM at a time and a plan is costed by its waves (``launch``): 171 programs on 132 SMs
+take two waves, the second mostly idle (ncu: 1.30 waves, 255 registers a thread). The
 program writes its ``[block_n, rows]`` block of ``out^T``; XLA transposes it back (with the
 float32 sum of K's slices where there are several), which it fuses into the next elementwise
 op where there is one. A stacked weight ``[L, K, N]`` is read in place at ``layer``: no copy
@@ -31,28 +34,36 @@ from ..decode import device_num_sms
 
 MAX_ROWS = 64  # x's rows on the wgmma's N side: 8 to 64 in steps of 8 keep one warpgroup's
 # accumulator within its registers
-COLUMN_BLOCKS = (128, 64)  # block_n: the widest of these that divides N
+MAX_BLOCK_N = 192  # output columns a program: the widest run on a GPU (H200, 2026-12-04)
 NUM_WARPGROUPS = 2  # one computes, one copies
 SMEM_BYTES = 232448  # an sm90 program's shared memory (227 KB)
+# Weight bytes a program keeps in flight when ``stages`` is chosen for it: a program has a
+# multiprocessor to itself (the warp-specialized pipeline sizes its registers for one
+# program an SM), so its copies alone must cover the memory latency at its share of the
+# bandwidth (about 32 GB/s an SM on an H200, over a few microseconds under load).
+IN_FLIGHT_BYTES = 128 * 1024
+# What a program costs beyond its weight tiles, as bytes of weight in the same time (its
+# pipeline's first copies, its epilogue): a plan of many small programs pays it per wave.
+PROGRAM_COST_BYTES = 48 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class SkinnyMatmulConfig:
     """Launch of the skinny matmul (None: chosen by ``launch`` for the shape).
 
-    block_n: output columns a program, a multiple of 64 that divides N (None: the widest of
-      ``COLUMN_BLOCKS`` that does).
+    block_n: output columns a program, a multiple of 64 that divides N.
     block_k: K a pipeline step, a multiple of 64 (one 128-byte swizzled row of bf16).
     stages: pipeline steps in flight (weight tiles copied ahead of the wgmmas).
-    splits: slices of K, each run by programs of its own (None: the fewest, among the
-      divisors of ``K / block_k`` that leave a slice ``stages`` steps, that give every
-      multiprocessor a program; the largest such when none does).
+    splits: slices of K, each run by programs of its own (their float32 parts summed).
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
+
+    ``launch`` fills the fields left None: the plan that gives the most loaded
+    multiprocessor the fewest bytes to read (``cost``).
     """
 
     block_n: int | None = None
     block_k: int = 64
-    stages: int = 4
+    stages: int | None = None
     splits: int | None = None
     approx_math: bool = True
     auto_barriers: bool = False
@@ -94,42 +105,80 @@ class Launch:
     splits: int
 
 
+def cost(m: int, k: int, n: int, plan: Launch, num_sms: int) -> int:
+    """Bytes the most loaded multiprocessor moves under ``plan``, as the plans are compared:
+    its waves of programs (one program an SM at a time), each reading ``block_n`` columns of
+    its slice of the weight and paying ``PROGRAM_COST_BYTES``, plus a split product's
+    float32 part written and read back by the sum."""
+    programs = n // plan.block_n * plan.splits
+    waves = -(-programs // num_sms)
+    weight = plan.block_n * k // plan.splits * 2
+    part = 0 if plan.splits == 1 else 2 * plan.block_n * padded_rows(m) * 4
+    return waves * (weight + part + PROGRAM_COST_BYTES)
+
+
 def launch(m: int, k: int, n: int, config: SkinnyMatmulConfig, num_sms: int) -> Launch:
     """``config``'s fields resolved for a ``[M, K] @ [K, N]`` on ``num_sms`` multiprocessors
-    (ValueError where the shape does not tile: see ``unsupported``)."""
+    (ValueError where the shape does not tile: see ``unsupported``). Among the column
+    blocks (multiples of 64 up to ``MAX_BLOCK_N`` that divide N) and slices of K (divisors
+    of its steps) left open, the plan of least ``cost``, the fewest slices among those
+    within 3% of it; ``stages`` (unless given) keeps ``IN_FLIGHT_BYTES`` of weight in
+    flight, as shared memory and the slice's steps allow."""
     if config.block_n is not None and (config.block_n < 64 or config.block_n % 64):
         raise ValueError(f"skinny_matmul: block_n {config.block_n} is not a multiple of 64")
-    if config.stages < 1 or (config.splits is not None and config.splits < 1):
+    for name in ("stages", "splits"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(
+                f"skinny_matmul: stages ({config.stages}) and splits ({config.splits}) must be "
+                "at least 1"
+            )
+    blocks = [config.block_n] if config.block_n else range(64, MAX_BLOCK_N + 1, 64)
+    blocks = [b for b in blocks if n % b == 0]
+    if not blocks:
         raise ValueError(
-            f"skinny_matmul: stages ({config.stages}) and splits ({config.splits}) must be "
-            "at least 1"
+            f"skinny_matmul: N {n} does not split into blocks of {config.block_n or 64}"
         )
-    block_n = config.block_n or next((b for b in COLUMN_BLOCKS if n % b == 0), None)
-    if block_n is None or n % block_n:
-        raise ValueError(f"skinny_matmul: N {n} does not split into blocks of {block_n or 64}")
-    if config.block_k < 64 or config.block_k % 64 or k % config.block_k:
+    block_k = config.block_k
+    if block_k < 64 or block_k % 64 or k % block_k:
         raise ValueError(
-            f"skinny_matmul: K {k} does not split into steps of {config.block_k} (a multiple of 64)"
+            f"skinny_matmul: K {k} does not split into steps of {block_k} (a multiple of 64)"
         )
-    steps = k // config.block_k
-    splits = config.splits
-    if splits is None:
-        fits = [d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= config.stages]
-        fits = fits or [1]
-        splits = next((d for d in fits if d * (n // block_n) >= num_sms), fits[-1])
-    if steps % splits:
+    steps = k // block_k
+    if config.splits is not None and steps % config.splits:
         raise ValueError(
-            f"skinny_matmul: {splits} slices of K do not divide its {steps} steps of "
-            f"{config.block_k}"
+            f"skinny_matmul: {config.splits} slices of K do not divide its {steps} steps of "
+            f"{block_k}"
         )
-    smem = shared_memory(block_n, config.block_k, config.stages, splits, m)
-    if smem > SMEM_BYTES:
+    slices = (
+        [config.splits] if config.splits else [d for d in range(1, steps + 1) if steps % d == 0]
+    )
+    plans = []
+    for block_n in blocks:
+        for splits in slices:
+            stages = config.stages or _stages(m, block_n, block_k, splits, steps // splits)
+            if stages and shared_memory(block_n, block_k, stages, splits, m) <= SMEM_BYTES:
+                plans.append(Launch(block_n, block_k, stages, splits))
+    if not plans:
+        stages = config.stages or 1
         raise ValueError(
-            f"skinny_matmul: {config.stages} stages of [{padded_rows(m)}, {config.block_k}] and "
-            f"[{config.block_k}, {block_n}] tiles need {smem} bytes of shared memory "
+            f"skinny_matmul: {stages} stages of [{padded_rows(m)}, {block_k}] and "
+            f"[{block_k}, {blocks[0]}] tiles need "
+            f"{shared_memory(blocks[0], block_k, stages, slices[0], m)} bytes of shared memory "
             f"(has {SMEM_BYTES})"
         )
-    return Launch(block_n, config.block_k, config.stages, splits)
+    least = min(cost(m, k, n, plan, num_sms) for plan in plans)
+    near = [p for p in plans if cost(m, k, n, p, num_sms) <= 1.03 * least]
+    return min(near, key=lambda p: (p.splits, cost(m, k, n, p, num_sms), -p.block_n))
+
+
+def _stages(m: int, block_n: int, block_k: int, splits: int, slice_steps: int) -> int:
+    """Steps in flight that hold ``IN_FLIGHT_BYTES`` of weight tiles, at most the slice's
+    steps and what shared memory holds (0: not even one fits)."""
+    tile = block_n * block_k * 2
+    stages = max(1, min(IN_FLIGHT_BYTES // tile, slice_steps))
+    while stages and shared_memory(block_n, block_k, stages, splits, m) > SMEM_BYTES:
+        stages -= 1
+    return stages
 
 
 def padded_rows(rows: int) -> int:

@@ -58,11 +58,12 @@ def _check(got, x, weight, layer):
 @pytest.mark.parametrize(
     "m,k,n,config,layers",
     [
-        (1, 256, 128, None, None),  # one slice, bf16 out
+        (1, 256, 128, Config(splits=1), None),  # one slice, bf16 out
         (5, 512, 192, Config(splits=2), None),  # 64-column blocks, rows not a multiple of 8
         (64, 256, 128, Config(splits=4, stages=1), 3),  # a full tile, a slice a step
-        (3, 384, 256, Config(block_k=128, stages=2), 2),  # 128-deep steps, 3 of them
-        (17, 512, 128, None, 4),  # launch's own split: 4 slices of 2 steps
+        (3, 384, 256, Config(block_k=128, stages=2), 2),  # 128-deep steps, a slice each
+        (17, 512, 128, None, 4),  # launch's own plan: 8 slices of a step
+        (9, 256, 384, Config(block_n=192, splits=1), 2),  # 192-column blocks, 4 steps
     ],
 )
 def test_matches_float64(rng, m, k, n, config, layers):
@@ -81,18 +82,31 @@ def test_reference_matches_float64(rng):
 @pytest.mark.parametrize(
     "k,n,config,want",
     [
-        (2048, 10944, Config(), mosaic.Launch(64, 64, 4, 1)),  # 171 column blocks of 64
-        (10944, 2048, Config(), mosaic.Launch(128, 64, 4, 9)),  # 171 steps: 9 x 16 blocks
-        (512, 576, Config(), mosaic.Launch(64, 64, 4, 2)),  # slices no shorter than stages
-        (7168, 1536, Config(stages=8), mosaic.Launch(128, 64, 8, 14)),  # V3's q_a_proj
-        (2048, 3072, Config(splits=2, block_k=128), mosaic.Launch(128, 128, 4, 2)),  # as given
-        (256, 128, Config(stages=8), mosaic.Launch(128, 64, 8, 1)),  # fewer steps than stages
+        # V2-Lite's gate: 57 blocks of 192 in 2 slices fill 114 of 132 multiprocessors in one
+        # wave, where 171 blocks of 64 would take two
+        (2048, 10944, Config(), mosaic.Launch(192, 64, 5, 2)),
+        # its down projection: 171 steps, 3 slices of 32 blocks of 64 in one wave
+        (10944, 2048, Config(), mosaic.Launch(64, 64, 16, 3)),
+        (512, 576, Config(), mosaic.Launch(64, 64, 1, 8)),  # 8 steps: a slice each, one in flight
+        (7168, 1536, Config(stages=8), mosaic.Launch(192, 64, 8, 16)),  # V3's q_a_proj
+        (2048, 3072, Config(splits=2, block_k=128), mosaic.Launch(64, 128, 8, 2)),  # as given
+        (256, 128, Config(stages=8), mosaic.Launch(64, 64, 8, 4)),  # fewer steps than stages
+        (2048, 3072, Config(block_n=128, stages=2, splits=1), mosaic.Launch(128, 64, 2, 1)),
     ],
 )
 def test_launch(k, n, config, want):
-    """``launch`` on V2-Lite's and V3's projection shapes: the fewest slices that give 132
-    multiprocessors a program each, among those that leave a slice ``stages`` steps."""
+    """``launch`` on V2-Lite's and V3's projection shapes: the plan whose most loaded
+    multiprocessor reads the fewest bytes (one program an SM at a time), the fewest slices
+    among near ties; fields given are kept."""
     assert mosaic.launch(16, k, n, config, num_sms=132) == want
+
+
+def test_launch_cost_counts_waves():
+    """A second wave of programs costs a whole program's bytes, however few run in it."""
+    one = mosaic.Launch(192, 64, 4, 2)  # 114 programs
+    two = mosaic.Launch(64, 64, 4, 1)  # 171 programs
+    assert mosaic.cost(16, 2048, 10944, one, 132) < mosaic.cost(16, 2048, 10944, two, 132)
+    assert mosaic.cost(16, 2048, 10944, two, 171) < mosaic.cost(16, 2048, 10944, two, 170)
 
 
 @pytest.mark.parametrize(
@@ -111,7 +125,13 @@ def test_launch(k, n, config, want):
         ((2, 64), (64, 64), None, Config(block_n=96), "block_n 96 is not a multiple of 64"),
         ((2, 64), (64, 64), None, Config(stages=0), "stages (0) and splits (None) must be"),
         ((2, 64), (64, 64), None, Config(block_k=32), "K 64 does not split into steps of 32"),
-        ((2, 256), (256, 128), None, Config(block_k=128, stages=8), "need 280576 bytes"),
+        (
+            (2, 256),
+            (256, 128),
+            None,
+            Config(block_n=128, block_k=128, stages=8),
+            "need 280576 bytes",
+        ),
     ],
 )
 def test_refuses(x, weight, layer, config, message):
@@ -141,9 +161,9 @@ def test_unsupported_names_the_shape():
 @pytest.mark.parametrize(
     "m,k,n,layers,config",
     [
-        (1, 2048, 10944, 27, None),  # V2-Lite's gate (and up) projection, stacked
-        (5, 10944, 2048, 27, None),  # its down projection: 9 slices, float32 parts
-        (64, 2048, 3072, None, Config(block_k=128)),  # the fullest shared memory
+        (1, 2048, 10944, 27, None),  # V2-Lite's gate (and up): 192-column blocks, stacked
+        (5, 10944, 2048, 27, None),  # its down projection: 3 slices, float32 parts
+        (64, 2048, 3072, None, Config(block_k=128)),  # 6 stages: 208 KB of shared memory
         (16, 512, 576, None, None),
     ],
 )
