@@ -10,7 +10,7 @@ reference's time. For N = 16 and 128 the same run times the FP8 cache (``kernels
 a token) on the same inputs quantized, beside the bf16 time (``decode_fp8.json``).
 ``--sweep`` times kernel variants instead (written only under --out); ``--sweep fp8``
 the FP8 cache's variants beside bf16 on the cases of its targets (``decode_fp8_sweep.json``).
-``--kernel mgpu`` times the Mosaic GPU kernel (``kernels/decode/pallas_mosaic_gpu.py``)
+``--kernel mgpu`` times the Mosaic GPU kernel (``mla_jax/kernels/decode/pallas_mosaic_gpu.py``)
 beside the Triton one on the same inputs in the same run, N = 16 and 128 over the cases
 below (``decode_mgpu.json``), and both again over the FP8 layout of the same caches
 (``decode_mgpu_fp8.json``: Mosaic bf16, Mosaic FP8 and Triton FP8 from one run);
@@ -388,7 +388,7 @@ def _mosaic_table(rng, sizes: Sizes, out_dir: str | None) -> None:
         fp8_rows,
         [
             "The three kernels in the same run, on the same inputs (the FP8 cache is the bf16 "
-            "one quantized, kernels/fp8.py: "
+            "one quantized, mla_jax/kernels/fp8.py: "
             f"{sizes.fp8_token_bytes} B a token), each with its own default launch and "
             "split-KV plan; us includes the combine kernel.",
             "rel err: relative L2 error of out against the XLA reference on the same FP8 "
@@ -698,8 +698,9 @@ def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
         ],
         fp8_rows,
         [
-            f"FP8 cache (kernels/fp8.py, FlashMLA's layout): per token {sizes.lkv} e4m3 latent "
-            f"values, {fp8.num_groups(sizes.lkv)} float32 power-of-two scales (one per 128), "
+            f"FP8 cache (mla_jax/kernels/fp8.py, FlashMLA's layout): per token {sizes.lkv} e4m3 "
+            f"latent values, {fp8.num_groups(sizes.lkv)} float32 power-of-two scales (one per "
+            "128), "
             f"{sizes.rope} bf16 rope values: {sizes.fp8_token_bytes} B (bf16: {2 * width} B); "
             "queries bf16, dots bf16 with float32 accumulation.",
             "bf16 us: the bf16 table's row of the same run (same case, same seed stream; "

@@ -437,8 +437,8 @@ def tables(rng, sizes: Sizes, out_dir: str | None) -> None:
             "TFLOP/s over the useful FLOPs: 2 x causal pairs x N x "
             f"({sizes.qk_dim} + {sizes.v_dim}).",
             "us, TFLOP/s and ours: the Pallas kernel through Triton; Mosaic GPU: the same "
-            "contract through Mosaic GPU (kernels/prefill/pallas_mosaic_gpu.py, sm90, 128-row "
-            "tiles of the same host schedule; '-' where it cannot run). tokamax: "
+            "contract through Mosaic GPU (mla_jax/kernels/prefill/pallas_mosaic_gpu.py, sm90, "
+            "128-row tiles of the same host schedule; '-' where it cannot run). tokamax: "
             "tokamax.dot_product_attention(implementation='mosaic') on the padded batch, "
             "where tokamax is installed ('-' otherwise).",
         ],

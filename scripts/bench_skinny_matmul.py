@@ -1,5 +1,5 @@
 """Decode's projections, ``[rows <= 64, K] @ [K, N]``: the Mosaic GPU skinny matmul
-(``kernels/skinny_matmul``) against what the model runs today (XLA's dot, cuBLAS, with K
+(``mla_jax/kernels/skinny_matmul``) against what the model runs today (XLA's dot, cuBLAS, with K
 split where ``layers.k_splits`` says), on the GPU, in one run.
 
     python scripts/bench_skinny_matmul.py [--out DIR] [--sweep] [--smoke]

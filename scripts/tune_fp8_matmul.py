@@ -1,6 +1,7 @@
 """Measures launch parameters of the FP8 weight paths on the GPU and writes the fastest into
-``kernels/tuned.py`` (what ``Fp8MatmulConfig.for_shape`` and ``GroupedMatmulConfig.for_shape``
-consult), with every candidate's time in ``benchmarks/tuning/fp8_tune.json``:
+``mla_jax/kernels/tuned.py`` (what ``Fp8MatmulConfig.for_shape`` and
+``GroupedMatmulConfig.for_shape`` consult), with every candidate's time in
+``benchmarks/tuning/fp8_tune.json``:
 
 * the dense projections' Pallas kernel at decode (1 and 64 rows) for the shapes
   ``bench_fp8_matmul.py`` measures: column tile, K step, K splits (programs per
@@ -194,7 +195,8 @@ def main():
     out = args.out or os.path.join(RESULTS, "tuning")
     os.makedirs(out, exist_ok=True)
     # Only a full run without --out rewrites the kernels' tables; else the JSON keeps them.
-    table_path = None if args.smoke or args.out else os.path.join(ROOT, "kernels", "tuned.py")
+    tuned = os.path.join(ROOT, "mla_jax", "kernels", "tuned.py")
+    table_path = None if args.smoke or args.out else tuned
     block, reps = (16, 2) if args.smoke else (128, 10)
     dense, grouped, record = {}, {}, []
     device = machine()

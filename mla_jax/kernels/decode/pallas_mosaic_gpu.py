@@ -2,7 +2,7 @@
 warpgroups, split-KV with the Triton kernel's plan and LSE combine.
 
 Same contract as ``pallas_triton.mla_decode``. The design follows FlashMLA's Hopper kernel
-(design notes and measurements in ``kernels/decode/MOSAIC_GPU.md``): a program owns 64
+(design notes and measurements in ``mla_jax/kernels/decode/MOSAIC_GPU.md``): a program owns 64
 query-head rows (one wgmma M tile; heads are zero-padded to a multiple of 64) and runs its
 items (``schedule_splits``) page by page with two warpgroups, each owning half of the
 ``[64, Lkv]`` float32 output (128 registers a thread instead of 256):
