@@ -265,15 +265,30 @@ def profile(run) -> tuple[dict, int]:
 
 
 def _device_ms_per_step(run) -> tuple[float, dict]:
-    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel name
-    (the ten largest), both divided by the steps ``run`` returns."""
+    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel
+    (``kernel_breakdown``), divided by the steps ``run`` returns."""
     trace, steps = profile(run)
+    return kernel_breakdown(_gpu_kernel_events(trace), steps)
+
+
+def kernel_breakdown(events: list[dict], steps: int) -> tuple[float, dict]:
+    """Milliseconds a step of kernel ``events`` (CUPTI, ``dur`` in microseconds) over
+    ``steps`` steps: in all, and per kernel name, the ten largest, then the rest together
+    as ``other (N kernels, K launches a step)``: what a step's time is made of, to the end."""
     per_kernel: dict[str, float] = {}
-    for e in _gpu_kernel_events(trace):
+    launches: dict[str, int] = {}
+    for e in events:
         per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
+        launches[e["name"]] = launches.get(e["name"], 0) + 1
     total_ms = sum(per_kernel.values()) / 1e3 / steps
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
-    return total_ms, {name[:80]: round(us / 1e3 / steps, 4) for name, us in top}
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    kernels = {name[:80]: round(us / 1e3 / steps, 4) for name, us in ranked[:10]}
+    rest = ranked[10:]
+    if rest:
+        count = sum(launches[name] for name, _ in rest) / steps
+        label = f"other ({len(rest)} kernels, {count:.0f} launches a step)"
+        kernels[label] = round(sum(us for _, us in rest) / 1e3 / steps, 4)
+    return total_ms, kernels
 
 
 def _cache_bytes_per_token(engine: Engine) -> float:

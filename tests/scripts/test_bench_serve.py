@@ -76,3 +76,15 @@ def test_compile_depths_default_to_none_where_the_deepest_model_does_not_fit():
     assert bench_serve.default_compile_depths("v2-lite", bench_serve.FULL) == "2,27,61"
     assert bench_serve.default_compile_depths("tiny", bench_serve.SMOKE) == "1"
     assert bench_serve.default_compile_depths("v3", bench_serve.FULL) == ""
+
+
+def test_kernel_breakdown_accounts_for_every_kernel():
+    """The ten largest kernels by name, then the rest in one entry with its launches: the
+    entries add up to the step's total."""
+    events = [{"name": f"k{i}", "dur": 100.0 * (i + 1)} for i in range(13) for _ in range(2)]
+    total_ms, kernels = bench_serve.kernel_breakdown(events, steps=2)
+    assert total_ms == pytest.approx(sum(100.0 * (i + 1) for i in range(13)) / 1e3)
+    assert list(kernels)[:10] == [f"k{i}" for i in range(12, 2, -1)]
+    assert kernels["k12"] == pytest.approx(1.3)
+    assert kernels["other (3 kernels, 3 launches a step)"] == pytest.approx(0.6)
+    assert sum(kernels.values()) == pytest.approx(total_ms)
