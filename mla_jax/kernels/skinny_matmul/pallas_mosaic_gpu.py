@@ -126,12 +126,11 @@ def launch(m: int, k: int, n: int, config: SkinnyMatmulConfig, num_sms: int) -> 
     flight, as shared memory and the slice's steps allow."""
     if config.block_n is not None and (config.block_n < 64 or config.block_n % 64):
         raise ValueError(f"skinny_matmul: block_n {config.block_n} is not a multiple of 64")
-    for name in ("stages", "splits"):
-        if getattr(config, name) is not None and getattr(config, name) < 1:
-            raise ValueError(
-                f"skinny_matmul: stages ({config.stages}) and splits ({config.splits}) must be "
-                "at least 1"
-            )
+    if any(v is not None and v < 1 for v in (config.stages, config.splits)):
+        raise ValueError(
+            f"skinny_matmul: stages ({config.stages}) and splits ({config.splits}) must be "
+            "at least 1"
+        )
     blocks = [config.block_n] if config.block_n else range(64, MAX_BLOCK_N + 1, 64)
     blocks = [b for b in blocks if n % b == 0]
     if not blocks:
@@ -166,9 +165,10 @@ def launch(m: int, k: int, n: int, config: SkinnyMatmulConfig, num_sms: int) -> 
             f"{shared_memory(blocks[0], block_k, stages, slices[0], m)} bytes of shared memory "
             f"(has {SMEM_BYTES})"
         )
-    least = min(cost(m, k, n, plan, num_sms) for plan in plans)
-    near = [p for p in plans if cost(m, k, n, p, num_sms) <= 1.03 * least]
-    return min(near, key=lambda p: (p.splits, cost(m, k, n, p, num_sms), -p.block_n))
+    costs = {plan: cost(m, k, n, plan, num_sms) for plan in plans}
+    least = min(costs.values())
+    near = [plan for plan in plans if costs[plan] <= 1.03 * least]
+    return min(near, key=lambda plan: (plan.splits, costs[plan], -plan.block_n))
 
 
 def _stages(m: int, block_n: int, block_k: int, splits: int, slice_steps: int) -> int:
