@@ -10,6 +10,10 @@ its weight in L2 (as in a step, where the other layers' weights pass through it)
 the median device time of each (CUPTI), the weight's bytes over it as a fraction of the copy
 bandwidth measured in the same run (issue 20 asks >= 85%), their ratio, the kernel's launch
 (``launch``: column block, slices of K) and its relative error against a float32 product.
+A second table puts the kernel over FP8 weights (float8_e4m3fn, 128 x 128 block scales, as
+DeepSeek-V3 ships them) beside the Triton FP8 kernel the GPU kernel sets run
+(``fp8_matmul.fastest``) and the bf16 weight's XLA dot, on V3's projections (issue 23 asks
+an FP8 projection at decode for <= 0.6x the bf16 time); its bandwidth counts the e4m3 bytes.
 ``--sweep``: the kernel's launch parameters (column block, step depth, stages, slices) on
 V2-Lite's shapes at 16 rows (``skinny_matmul_sweep.json``, under --out only).
 
@@ -27,6 +31,8 @@ import jax.numpy as jnp
 from benchlib import copy_bandwidth, jsonable, parse_args, parser, row, run, save, sweep, time_us
 
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
+from mla_jax.kernels import fp8_blocks
+from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import skinny_matmul as skinny
 from mla_jax.kernels.decode import device_num_sms
 from mla_jax.kernels.skinny_matmul import pallas_mosaic_gpu
@@ -41,6 +47,7 @@ class Sizes:
     weights a rotation spans at least (past L2) and the sweep's shapes and configs."""
 
     projections: dict
+    fp8_projections: dict
     rows: tuple[int, ...]
     rotation_bytes: int
     sweep_projections: tuple[str, ...]
@@ -61,6 +68,15 @@ FULL = Sizes(
         "V3 o_proj": (128 * 128, 7168),
         "V3 shared experts' gate_proj": (7168, 2048),
     },
+    fp8_projections={
+        "V3 q_a_proj": (7168, 1536),
+        "V3 q_b_proj": (1536, 128 * 192),
+        "V3 kv_a_proj_with_mqa": (7168, 576),
+        "V3 o_proj": (128 * 128, 7168),
+        "V3 mlp.gate_proj": (7168, 18432),
+        "V3 mlp.down_proj": (18432, 7168),
+        "V3 shared experts' gate_proj": (7168, 2048),
+    },
     rows=(1, 16, 64),
     rotation_bytes=256 * 2**20,
     sweep_projections=("V2-Lite q_proj", "V2-Lite gate_proj", "V2-Lite down_proj"),
@@ -74,6 +90,7 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     projections={"small": (256, 128)},
+    fp8_projections={"small": (256, 128)},
     rows=(1, 5),
     rotation_bytes=0,
     sweep_projections=("small",),
@@ -96,9 +113,9 @@ def _model_product(x: jax.Array, stack: jax.Array) -> jax.Array:
     return split_k_dot(x, stack[1], splits) if splits > 1 else jnp.dot(x, stack[1])
 
 
-def _compiled(fn, x, stack):
+def _compiled(fn, x, *operands):
     options = GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
-    return jax.jit(fn).lower(x, stack).compile(compiler_options=options)
+    return jax.jit(fn).lower(x, *operands).compile(compiler_options=options)
 
 
 def _rel_err(fn, x, stack) -> float:
@@ -175,6 +192,113 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             "skinny_matmul with its default launch (columns a program x slices of K).",
             "Of copy BW: 2 K N bytes over the time, against the copy bandwidth (read + write). "
             "rel err: relative L2 against a float32 product.",
+        ],
+        out_dir=out_dir,
+    )
+    fp8_table(sizes, copy.gbs, out_dir)
+
+
+FP8_BLOCKS = fp8_blocks.Fp8Blocks(128, 128)
+
+
+def _fp8_stacks(k: int, n: int, rotation_bytes: int) -> list[tuple[jax.Array, jax.Array]]:
+    """``[2, K, N]`` e4m3 stacks spanning e4m3's range and their ``[2, K/128, N/128]``
+    random scales, as many (3 to 32) as span ``rotation_bytes`` of layer 1."""
+    count = min(32, max(3, -(-rotation_bytes // (k * n))))
+    stacks = []
+    for key in jax.random.split(jax.random.key(k * n + 1), count):
+        weight_key, scale_key = jax.random.split(key)
+        weight = jnp.clip(64 * jax.random.normal(weight_key, (2, k, n)), -448, 448)
+        scale_shape = (2, *FP8_BLOCKS.scale_shape(k, n))
+        scale = jax.random.uniform(scale_key, scale_shape, jnp.float32, 0.5, 2.0) / 64 / k**0.5
+        stacks.append((weight.astype(jnp.float8_e4m3fn), scale))
+    return stacks
+
+
+def _fp8_case(fn, x, stacks, want) -> dict:
+    """``fn(x, weight stack, scale stack)`` timed over the rotation, with its relative
+    error against ``want`` (or why it does not run)."""
+    try:
+        f = _compiled(fn, x, *stacks[0])
+    except ValueError as error:  # a shape the path does not take: one line that says why
+        return {"unsupported": str(error).splitlines()[0]}
+    got = f(x, *stacks[0]).astype(jnp.float32)
+    error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    return {"us": time_us(f, [(x, *s) for s in stacks]), "rel_err": error}
+
+
+def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
+    """The FP8 table: bf16 XLA, the Triton FP8 kernel and this kernel over FP8, per V3
+    projection and row count."""
+    rows = []
+    for name, (k, n) in sizes.fp8_projections.items():
+        stacks = _fp8_stacks(k, n, sizes.rotation_bytes)
+        bf16_stacks = [fp8_blocks.dequantize(w, s, FP8_BLOCKS, jnp.bfloat16) for w, s in stacks]
+        layers = [(w[1], s[1]) for w, s in stacks]
+        dense = fp8_blocks.dequantize(*layers[0], FP8_BLOCKS)
+        for m in sizes.rows:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            want = jnp.dot(x.astype(jnp.float32), dense, precision="highest")
+            bf16 = time_us(
+                _compiled(_model_product, x, bf16_stacks[0]), [(x, s) for s in bf16_stacks]
+            )
+            # The Triton kernel on the layer as its own array: a slice of the stack passed
+            # to it is copied first (the Mosaic GPU call reads the stack in place).
+            triton = _fp8_case(functools.partial(fm.fastest, blocks=FP8_BLOCKS), x, layers, want)
+            kernel = _fp8_case(
+                lambda x, w, s: skinny.skinny_matmul(x, w, scale_inv=s, blocks=FP8_BLOCKS, layer=1),
+                x,
+                stacks,
+                want,
+            )
+            print(name, m, jsonable({"bf16": bf16, "triton": triton, "kernel": kernel}), flush=True)
+            cells = [f"{name} [{k}, {n}]", m, round(bf16.us, 1)]
+            timings = {"bf16": bf16}
+            for label, case in (("triton_fp8", triton), ("kernel_fp8", kernel)):
+                if "unsupported" in case:
+                    cells += [f"does not run: {case['unsupported']}", "", ""]
+                    continue
+                timings[label] = case["us"]
+                cells += [
+                    f"{case['us'].us:.1f} ({case['us'].us / bf16.us:.2f}x)",
+                    f"{100 * k * n / case['us'].us / 1e3 / bandwidth_gbs:.0f}%",
+                    f"{case['rel_err']:.1e}",
+                ]
+            if "unsupported" not in kernel:
+                plan = pallas_mosaic_gpu.launch(m, k, n, Config(), device_num_sms(), FP8_BLOCKS)
+                cells.append(f"{plan.block_n} x {plan.splits}")
+            else:
+                cells.append("")
+            rows.append(row(cells, **timings))
+    save(
+        "skinny_matmul_fp8",
+        "Decode's projections over FP8 weights: the Mosaic GPU skinny matmul vs the Triton FP8 "
+        "kernel and the bf16 weight",
+        [
+            "projection [K, N]",
+            "rows",
+            "bf16 XLA us",
+            "Triton FP8 us (/ bf16)",
+            "Triton of copy BW",
+            "Triton rel err",
+            "kernel FP8 us (/ bf16)",
+            "kernel of copy BW",
+            "kernel rel err",
+            "columns x slices",
+        ],
+        rows,
+        [
+            f"Copy bandwidth measured in the same run: {bandwidth_gbs:.0f} GB/s.",
+            "FP8: layer 1 of a stacked [2, K, N] float8_e4m3fn weight with random 128 x 128 "
+            "block scales, stacks rotating past L2; bf16: the same weights dequantized into "
+            "bf16, through what layers.Linear runs for them (XLA's dot, K split by "
+            "layers.k_splits). Triton FP8: fp8_matmul.fastest (what the kernel sets run for an "
+            "FP8 Linear) on layer 1 as an array of its own (a slice of the stack passed to it "
+            "is copied first). Kernel: skinny_matmul over the stack's layer 1, read in place, "
+            "with its default launch (columns a program x slices of K; two compute warpgroups "
+            "taking alternate steps).",
+            "Of copy BW: K N bytes (e4m3) over the time. rel err: relative L2 against a float32 "
+            "product with the dequantized weight.",
         ],
         out_dir=out_dir,
     )

@@ -1,10 +1,15 @@
 """The skinny matmul (``kernels/skinny_matmul``) against float64 NumPy products: the Mosaic GPU
-kernel (interpreted on the CPU, jax >= 0.11; compiled on a GPU) and its reference.
+kernel (interpreted on the CPU, jax >= 0.11; compiled on a GPU) and its reference, over bf16
+and FP8 weights.
 
 Tolerance: each output element within one bf16 spacing of the exact product, plus the
 float32 accumulation's own bound (2^-20 x sum |x||w| over K): the kernel rounds a float32
 sum once into bf16, so a correct result is one of the two bf16 values around the exact one.
-A stacked weight's other layers hold NaN, so a read outside the layer fails the comparison.
+The same holds over an FP8 weight, whose values the kernel never rounds (e4m3 is exact in
+float16, x's rows are scaled into float16 by powers of two, and the scales multiply float32
+products); the reference, which rounds the dequantized weight into bf16, gets 2^-8 x sum
+|x||w| more. A stacked weight's other layers (and their scales) hold NaN, so a read outside
+the layer fails the comparison.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import skinny_matmul as skinny
 from mla_jax.kernels.skinny_matmul import pallas_mosaic_gpu as mosaic
 
 BF16 = jnp.bfloat16
+FP8 = jnp.float8_e4m3fn
+Blocks = fp8_blocks.Fp8Blocks
 Config = skinny.SkinnyMatmulConfig
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -42,14 +50,35 @@ def _case(rng, m, k, n, layers=None):
     return x, jnp.asarray(stacked, BF16), layers - 1
 
 
-def _check(got, x, weight, layer):
+def _fp8_case(rng, m, k, n, blocks, layers=None):
+    """x [m, k] bf16, an FP8 weight [k, n] spanning e4m3's range with random (not power of
+    two) float32 block scales, both stacked as ``_case``'s (other layers NaN), the layer,
+    and the weight's exact float64 value."""
+    x = jnp.asarray(rng.standard_normal((m, k)), BF16)
+    w = np.asarray(jnp.asarray(np.clip(rng.standard_normal((k, n)) * 64, -448, 448), FP8))
+    scale = rng.uniform(0.5, 2.0, blocks.scale_shape(k, n)).astype(np.float32) / 64 / k**0.5
+    exact = np.asarray(
+        fp8_blocks.dequantize(jnp.asarray(w), jnp.asarray(scale), blocks), np.float64
+    )
+    if layers is None:
+        return x, jnp.asarray(w), jnp.asarray(scale), None, exact
+    weights = np.full((layers, k, n), np.nan, np.float32)
+    scales = np.full((layers, *scale.shape), np.nan, np.float32)
+    weights[-1], scales[-1] = w.astype(np.float32), scale
+    return x, jnp.asarray(weights, FP8), jnp.asarray(scales), layers - 1, exact
+
+
+def _check(got, x, weight, layer, rounded_weight=0.0):
+    """``got`` against ``x @ weight`` in float64 (``weight``: a stack read at ``layer``, or
+    the exact float64 value of an FP8 one), within the module's bound (plus
+    ``rounded_weight`` x sum |x||w|)."""
     w = np.asarray(weight if layer is None else weight[layer], np.float64)
     x = np.asarray(x, np.float64)
     want = x @ w
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape
     spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
-    bound = spacing + 2.0**-20 * (np.abs(x) @ np.abs(w))
+    bound = spacing + (2.0**-20 + rounded_weight) * (np.abs(x) @ np.abs(w))
     excess = np.abs(got - want) - bound
     assert np.isfinite(got).all() and excess.max() <= 0, f"worst excess {excess.max():.3g}"
 
@@ -79,6 +108,35 @@ def test_reference_matches_float64(rng):
     _check(skinny.reference.skinny_matmul(x, weight, layer=layer), x, weight, layer)
 
 
+@mosaic_gpu_runs
+@pytest.mark.parametrize(
+    "m,k,n,blocks,config,layers",
+    [
+        (5, 256, 128, Blocks(128, 128), Config(splits=1), None),  # one slice, both consumers
+        (16, 512, 256, Blocks(128, 128), Config(fp8_warpgroups=1), 2),  # one consumer, stacked
+        # two parts of three 64-column blocks; 3 steps: the second consumer takes one
+        (9, 384, 384, Blocks(64, 128, parts=2), Config(splits=1), 3),
+        (64, 256, 128, Blocks(128, 64), Config(splits=2), None),  # 64-deep scale blocks
+    ],
+)
+def test_fp8_matches_float64(rng, m, k, n, blocks, config, layers):
+    """FP8 weights with block scales: one and several slices of K, one and two compute
+    warpgroups taking alternate steps (an odd number of steps among them), scale grids of
+    one and two parts, stacked weights read at their layer."""
+    x, weight, scale_inv, layer, exact = _fp8_case(rng, m, k, n, blocks, layers)
+    got = skinny.skinny_matmul(
+        x, weight, scale_inv=scale_inv, blocks=blocks, layer=layer, config=config
+    )
+    _check(got, x, exact, None)
+
+
+def test_fp8_reference_matches_float64(rng):
+    blocks = Blocks(64, 64)
+    x, weight, scale_inv, layer, exact = _fp8_case(rng, 7, 192, 128, blocks, layers=2)
+    got = skinny.reference.skinny_matmul(x, weight, scale_inv=scale_inv, blocks=blocks, layer=layer)
+    _check(got, x, exact, None, rounded_weight=2.0**-8)
+
+
 @pytest.mark.parametrize(
     "k,n,config,want",
     [
@@ -101,6 +159,24 @@ def test_launch(k, n, config, want):
     assert mosaic.launch(16, k, n, config, num_sms=132) == want
 
 
+@pytest.mark.parametrize(
+    "m,k,n,config,want",
+    [
+        # V3's o_proj over FP8: 128-column blocks (a scale block), 128-deep steps, 2 slices
+        (16, 16384, 7168, Config(), mosaic.Launch(128, 128, 8, 2, 2)),
+        # at 64 rows x's tiles take the shared memory: 5 stages
+        (64, 16384, 7168, Config(), mosaic.Launch(128, 128, 5, 2, 2)),
+        (16, 7168, 1536, Config(fp8_warpgroups=1), mosaic.Launch(128, 128, 7, 8, 1)),  # 7 steps
+        (16, 1536, 24576, Config(block_n=64, block_k=64), mosaic.Launch(64, 64, 24, 1, 2)),
+    ],
+)
+def test_launch_fp8(m, k, n, config, want):
+    """Over FP8 weights with 128 x 128 scale blocks: the widest column block and step a
+    scale block holds (a step's chain costs about the same narrower), two compute
+    warpgroups; fields given are kept."""
+    assert mosaic.launch(m, k, n, config, 132, Blocks(128, 128)) == want
+
+
 def test_launch_cost_counts_waves():
     """A second wave of programs costs a whole program's bytes, however few run in it."""
     one = mosaic.Launch(192, 64, 4, 2)  # 114 programs
@@ -113,7 +189,7 @@ def test_launch_cost_counts_waves():
     "x,weight,layer,config,message",
     [
         ((1, 64), (2, 2, 64, 64), None, None, "x [M, K] and weight"),
-        ((1, 64), (64, 64), None, None, "bfloat16 x and weight"),  # float32 x (below)
+        ((1, 64), (64, 64), None, None, "bfloat16 x and a bfloat16 or float8_e4m3fn weight"),
         ((65, 64), (64, 64), None, None, "1 to 64 rows of x"),
         ((2, 128), (64, 64), None, None, "x's K (128) is not the weight's (64)"),
         ((2, 64), (3, 64, 64), None, None, "a layer index goes with a stacked"),
@@ -137,13 +213,35 @@ def test_launch_cost_counts_waves():
 def test_refuses(x, weight, layer, config, message):
     """Shapes, dtypes, layers and launches it does not take, each refused in one line that
     names it (by the kernel and the reference alike where the arguments are the cause)."""
-    x_dtype = jnp.float32 if message.startswith("bfloat16") else BF16
+    x_dtype = jnp.float32 if message.startswith("bfloat16") else BF16  # float32 x
     args = jnp.zeros(x, x_dtype), jnp.zeros(weight, BF16)
     with pytest.raises(ValueError, match=re.escape(message)):
         skinny.skinny_matmul(*args, layer=layer, config=config)
     if config is None and "split" not in message:
         with pytest.raises(ValueError, match=re.escape(message)):
             skinny.reference.skinny_matmul(*args, layer=layer)
+
+
+@pytest.mark.parametrize(
+    "weight,scales,blocks,config,message",
+    [
+        ((256, 128), None, None, None, "scale_inv and blocks go with a float8_e4m3fn weight"),
+        ((256, 192), (2, 2), Blocks(128, 128), None, "is not whole blocks of"),
+        ((256, 128), (8, 1), Blocks(128, 32), Config(block_k=64), "steps of 64 do not divide"),
+        ((256, 128), (2, 1), Blocks(128, 128), Config(fp8_warpgroups=3), "fp8_warpgroups"),
+        ((256, 128), (3, 2), Blocks(64, 128), None, "does not fit [256, 128]"),
+    ],
+)
+def test_fp8_refuses(weight, scales, blocks, config, message):
+    """An FP8 weight without its scales, partial scale blocks, steps that straddle a scale
+    block, a bad compute warpgroup count and a scale grid of the wrong shape: one line
+    each."""
+    x = jnp.zeros((4, weight[0]), BF16)
+    scale_inv = None if scales is None else jnp.ones(scales, jnp.float32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        skinny.skinny_matmul(
+            x, jnp.zeros(weight, FP8), scale_inv=scale_inv, blocks=blocks, config=config
+        )
 
 
 def test_unsupported_names_the_shape():
@@ -195,3 +293,38 @@ def test_deepseek_shapes_compiled(rng, m, k, n):
     _check(
         jax.jit(functools.partial(skinny.skinny_matmul, layer=layer))(x, weight), x, weight, layer
     )
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
+    reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",
+)
+@pytest.mark.parametrize("m,k,n,config", [(64, 16384, 7168, None), (3, 7168, 1536, Config())])
+def test_fp8_lowers_for_sm90(m, k, n, config):
+    """The sm90 lowering over FP8 weights (V3's o_proj at 64 rows, stacked; its q_a_proj):
+    the e4m3 tiles' 32-byte swizzle, their float16 conversion and the two compute
+    warpgroups."""
+    blocks = Blocks(128, 128)
+    f = jax.jit(
+        functools.partial(
+            skinny.skinny_matmul, blocks=blocks, layer=1, config=config, interpret=False
+        )
+    )
+    weight = jax.ShapeDtypeStruct((2, k, n), FP8)
+    scales = jax.ShapeDtypeStruct((2, *blocks.scale_shape(k, n)), jnp.float32)
+    lowered = f.trace(jax.ShapeDtypeStruct((m, k), BF16), weight, scale_inv=scales).lower(
+        lowering_platforms=("cuda",)
+    )
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(16384, 7168), (7168, 1536), (1536, 24576), (7168, 18432)])
+def test_fp8_deepseek_shapes_compiled(rng, m, k, n):
+    """V3's projections over FP8 weights with 128 x 128 scale blocks at decode's row counts,
+    stacked (GPU only: too large to interpret)."""
+    blocks = Blocks(128, 128)
+    x, weight, scale_inv, layer, exact = _fp8_case(rng, m, k, n, blocks, layers=2)
+    f = jax.jit(functools.partial(skinny.skinny_matmul, blocks=blocks, layer=layer))
+    _check(f(x, weight, scale_inv=scale_inv), x, exact, None)

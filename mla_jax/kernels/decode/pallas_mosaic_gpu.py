@@ -74,10 +74,6 @@ SWIZZLE_COLUMNS = 32  # bf16 columns of a 64-byte swizzled shared-memory tile
 FP8_SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE_COLUMNS)), plgpu.SwizzleTransform(32))
 NUM_WARPGROUPS = 2  # each holds half of the output's columns
 PAIR = "pair"  # the cluster axis of two head blocks that share each page's copy (multicast)
-# The register layout an FP8 page is dequantized in: four e4m3 values a thread in one 4-byte
-# shared-memory load without bank conflicts, their 16-bit values in one 8-byte store (the WGMMA
-# layout's two-value accesses conflicted; H200, 128 heads, 128 x 4096: 426 -> 408 us).
-CONVERT_LAYOUT = plgpu.Layout.WGMMA_8BIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -692,12 +688,14 @@ def _kernel(
                     # The zeroing's selects only where there are rows to zero: on every
                     # page they cost 7% of the kernel (128 x 4096 at 128 heads, H200).
                     if past_end:
-                        valid = before_end(k, CONVERT_LAYOUT)
+                        valid = before_end(k, mosaic_gpu.FP8_CONVERT_LAYOUT)
                     for t in range(half_width // SWIZZLE_COLUMNS):
                         first = w * half_width + t * SWIZZLE_COLUMNS
                         columns = pl.ds(first, SWIZZLE_COLUMNS)
                         values = plgpu.load(
-                            fp8_smem.at[slot, :, columns], layout=CONVERT_LAYOUT, optimized=True
+                            fp8_smem.at[slot, :, columns],
+                            layout=mosaic_gpu.FP8_CONVERT_LAYOUT,
+                            optimized=True,
                         ).astype(convert_dtype)
                         factor = scales[groups.index(first // fp8.GROUP)]
                         values = values * lax.broadcast_in_dim(factor, values.shape, [0])
