@@ -245,11 +245,18 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             # The Triton kernel on the layer as its own array: a slice of the stack passed
             # to it is copied first (the Mosaic GPU call reads the stack in place).
             triton = _fp8_case(functools.partial(fm.fastest, blocks=FP8_BLOCKS), x, layers, want)
-            kernel = _fp8_case(
-                lambda x, w, s: skinny.skinny_matmul(x, w, scale_inv=s, blocks=FP8_BLOCKS, layer=1),
-                x,
-                stacks,
-                want,
+            reason = skinny.unsupported(x, stacks[0][0], blocks=FP8_BLOCKS)
+            kernel = (
+                {"unsupported": reason}
+                if reason
+                else _fp8_case(
+                    lambda x, w, s: skinny.skinny_matmul(
+                        x, w, scale_inv=s, blocks=FP8_BLOCKS, layer=1
+                    ),
+                    x,
+                    stacks,
+                    want,
+                )
             )
             print(name, m, jsonable({"bf16": bf16, "triton": triton, "kernel": kernel}), flush=True)
             cells = [f"{name} [{k}, {n}]", m, round(bf16.us, 1)]

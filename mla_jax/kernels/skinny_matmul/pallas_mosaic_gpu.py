@@ -128,12 +128,6 @@ def check(
         )
     if blocks is not None:
         blocks.check(weight, scale_inv, "skinny_matmul: weight")
-        k, n = weight.shape[-2:]
-        if k % blocks.block_in or n // blocks.parts % blocks.block_out:
-            raise ValueError(
-                f"skinny_matmul: weight [{k}, {n}] is not whole blocks of {blocks} (partial "
-                "edge blocks are the Triton kernel's)"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +172,11 @@ def launch(
     if config.fp8_warpgroups not in (1, 2):
         raise ValueError(
             f"skinny_matmul: fp8_warpgroups must be 1 or 2, got {config.fp8_warpgroups}"
+        )
+    if blocks is not None and (k % blocks.block_in or n // blocks.parts % blocks.block_out):
+        raise ValueError(
+            f"skinny_matmul: weight [{k}, {n}] is not whole blocks of {blocks} (partial "
+            "edge blocks are the Triton kernel's)"
         )
     if config.block_n is not None and (config.block_n < 64 or config.block_n % 64):
         raise ValueError(f"skinny_matmul: block_n {config.block_n} is not a multiple of 64")
