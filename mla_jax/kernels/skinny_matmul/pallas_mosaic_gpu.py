@@ -24,10 +24,11 @@ product, not on its weights: the compute warpgroup converts the step's e4m3 tile
 memory, multiplies it with x in float16 (each row scaled into float16's range by a power of
 two, ``matmul_steps.float16_rows``, undone on the output) into a fresh accumulator, and adds
 that times the scale to the float32 sum it carries. A step's chain (wait for its copy,
-convert, fence, product, add) is latency-bound in one warpgroup (an H200 took about 0.57 us
-an 8 KB step: 28-38% of the copy bandwidth), so ``fp8_warpgroups`` compute warpgroups take
-alternate steps, each with its own sum (added in shared memory at the end), and each reads
-its next step's scale from global memory while it computes one.
+convert, fence, product, add) is latency-bound in one warpgroup, so ``fp8_warpgroups``
+compute warpgroups take alternate steps, each with its own sum (added in shared memory at
+the end), and each reads its next step's scale from global memory while it computes one:
+two ran V3's o_proj at 16 rows in 58.3 us against one's 74.1, its gate_proj in 79.6 against
+90.3 (64-column blocks; H200, 2026-12-04, a trial script).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class SkinnyMatmulConfig:
     block_n: output columns a program, a multiple of 64 that divides N.
     block_k: K a pipeline step, a multiple of 64 (one 128-byte swizzled row of bf16); None:
       64, or over an FP8 weight its scale blocks' depth up to 128 (a step's chain costs
-      about the same at 64 rows as at 128: 25-35% faster at 128 on V3's projections, H200,
-      2026-12-04).
+      about the same 64 deep as 128: V3's projections at 16 and 64 rows ran 11-31% faster
+      at 128; H200, 2026-12-04, a trial script).
     stages: pipeline steps in flight (weight tiles copied ahead of the wgmmas).
     splits: slices of K, each run by programs of its own (their float32 parts summed).
     fp8_warpgroups: over an FP8 weight, compute warpgroups that take alternate steps (1 or 2).
@@ -191,7 +192,8 @@ def launch(
     if blocks is not None and not config.block_n:
         # An FP8 step's chain (wait, convert, fence, product, add) costs about the same
         # at 64 columns as at 128, so the widest block: V3's projections at 16 and 64 rows
-        # ran 5-25% faster at 128 columns than at 64 (H200, 2026-12-04).
+        # ran 6-17% faster at 128 columns than at 64, but for q_a_proj [7168, 1536] (2%
+        # and 13% slower; H200, 2026-12-04, a trial script).
         blocks_n = blocks_n[-1:]
     if not blocks_n:
         raise ValueError(
