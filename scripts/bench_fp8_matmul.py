@@ -106,8 +106,8 @@ def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
     return module
 
 
-def _dequantized_dot(x, weight, scale_inv, *, blocks, config=None, interpret=None):
-    return fm.reference.dequantized_dot(x, weight, scale_inv, blocks=blocks)
+def _dequantized_dot(x, weight, scale_inv, *, blocks, layer=None, config=None, interpret=None):
+    return fm.reference.dequantized_dot(x, weight, scale_inv, blocks=blocks, layer=layer)
 
 
 # The projections' alternatives: the GPU set with one FP8 path forced.

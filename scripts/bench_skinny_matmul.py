@@ -231,17 +231,16 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
     for name, (k, n) in sizes.fp8_projections.items():
         stacks = _fp8_stacks(k, n, sizes.rotation_bytes)
         bf16_stacks = [fp8_blocks.dequantize(w, s, FP8_BLOCKS, jnp.bfloat16) for w, s in stacks]
-        layers = [(w[1], s[1]) for w, s in stacks]
-        dense = fp8_blocks.dequantize(*layers[0], FP8_BLOCKS)
+        dense = fp8_blocks.dequantize(stacks[0][0][1], stacks[0][1][1], FP8_BLOCKS)
         for m in sizes.rows:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             want = jnp.dot(x.astype(jnp.float32), dense, precision="highest")
             bf16 = time_us(
                 _compiled(_model_product, x, bf16_stacks[0]), [(x, s) for s in bf16_stacks]
             )
-            # The Triton kernel on the layer as its own array: a slice of the stack passed
-            # to it is copied first (the Mosaic GPU call reads the stack in place).
-            triton = _fp8_case(functools.partial(fm.fastest, blocks=FP8_BLOCKS), x, layers, want)
+            triton = _fp8_case(
+                lambda x, w, s: fm.fastest(x, w, s, blocks=FP8_BLOCKS, layer=1), x, stacks, want
+            )
             reason = skinny.unsupported(x, stacks[0][0], blocks=FP8_BLOCKS)
             kernel = (
                 {"unsupported": reason}
@@ -297,8 +296,8 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             "block scales, stacks rotating past L2; bf16: the same weights dequantized into "
             "bf16, through what layers.Linear runs for them (XLA's dot, K split by "
             "layers.k_splits). Triton FP8: fp8_matmul.fastest (what the kernel sets run for an "
-            "FP8 Linear) on layer 1 as an array of its own (a slice of the stack passed to it "
-            "is copied first). Kernel: skinny_matmul over the stack's layer 1, read in place, "
+            "FP8 Linear) over the stack's layer 1, read in place. Kernel: skinny_matmul over "
+            "the stack's layer 1, read in place, "
             "with its default launch (columns a program x slices of K; two compute warpgroups "
             "taking alternate steps).",
             "Of copy BW: K N bytes (e4m3) over the time. rel err: relative L2 against a float32 "

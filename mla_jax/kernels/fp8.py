@@ -64,6 +64,13 @@ class Fp8Cache(NamedTuple):
         return self.k_pe.dtype
 
 
+def wraps_triton_offsets(array: jax.Array) -> bool:
+    """Whether a Pallas Triton kernel would index ``array`` with wrapping offsets
+    (``check_triton_indexable``): 1-byte values filling (2 GiB, 4 GiB]."""
+    nbytes = math.prod(array.shape) * jnp.dtype(array.dtype).itemsize
+    return jnp.dtype(array.dtype).itemsize == 1 and 2**31 < nbytes <= 2**32
+
+
 def check_triton_indexable(array: jax.Array, what: str) -> None:
     """ValueError (one line, naming ``what``) for an operand a Pallas Triton kernel would
     read wrongly: 1-byte values (the FP8 cache's ``kv_c``, FP8 weights) filling more than
@@ -72,9 +79,8 @@ def check_triton_indexable(array: jax.Array, what: str) -> None:
     past 2^31 would be read from before the array (an illegal address, or silently another
     buffer's bytes). Wider values stay below 2^31 elements there; larger operands get 64-bit
     offsets. The Mosaic GPU kernels address by TMA and have no such limit."""
-    itemsize = jnp.dtype(array.dtype).itemsize
-    nbytes = math.prod(array.shape) * itemsize
-    if itemsize == 1 and 2**31 < nbytes <= 2**32:
+    if wraps_triton_offsets(array):
+        nbytes = math.prod(array.shape)
         raise ValueError(
             f"{what} {jnp.dtype(array.dtype).name}{list(array.shape)} fills {nbytes} bytes, "
             "within (2 GiB, 4 GiB], where Pallas' Triton lowering indexes 1-byte values with "

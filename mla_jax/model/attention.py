@@ -87,6 +87,7 @@ class MLAAttention(nnx.Module):
         metadata: AttentionMetadata | PackedMetadata,
         *,
         layer: int | jax.Array | None = None,
+        layer_in_run: int | jax.Array | None = None,
         impl: str = "auto",
     ) -> tuple[jax.Array, jax.Array | Fp8Cache]:
         """One step.
@@ -103,6 +104,8 @@ class MLAAttention(nnx.Module):
           metadata: the step's metadata (device arrays).
           layer: this layer's index into a stacked ``cache`` (may be traced, as in a scan
             over layers); the block ids of ``metadata`` are those of one layer.
+          layer_in_run: where the FP8 projections hold a run of layers' stacked weights
+            (``DeepseekModel``'s scan keeps them whole), this layer's index into them.
           impl: kernels to use (``kernels.select``); the Pallas kernels need metadata
             built with their schedules.
 
@@ -114,7 +117,12 @@ class MLAAttention(nnx.Module):
             check_hidden(self.cfg, x)
             check_packed(x, metadata)
             y, cache = self(
-                metadata.to_buckets(x), cache, metadata.attention, layer=layer, impl=impl
+                metadata.to_buckets(x),
+                cache,
+                metadata.attention,
+                layer=layer,
+                layer_in_run=layer_in_run,
+                impl=impl,
             )
             return metadata.from_buckets(y, x.shape[0]), cache
         kernel_set = kernels.select(impl)
@@ -122,13 +130,13 @@ class MLAAttention(nnx.Module):
         c = self.cfg
         t = x.shape[0]
         if c.q_lora_rank is None:
-            q = self.q_proj(x, impl=kernel_set)
+            q = self.q_proj(x, impl=kernel_set, layer=layer_in_run)
         else:
-            q_c = self.q_a_layernorm(self.q_a_proj(x, impl=kernel_set))
-            q = self.q_b_proj(q_c, impl=kernel_set)
+            q_c = self.q_a_layernorm(self.q_a_proj(x, impl=kernel_set, layer=layer_in_run))
+            q = self.q_b_proj(q_c, impl=kernel_set, layer=layer_in_run)
         q = q.reshape(t, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        kv = self.kv_a_proj_with_mqa(x, impl=kernel_set)
+        kv = self.kv_a_proj_with_mqa(x, impl=kernel_set, layer=layer_in_run)
         kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         k_pe = kv[:, c.kv_lora_rank :]
 
@@ -161,7 +169,7 @@ class MLAAttention(nnx.Module):
             )
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         o = o.reshape(t, c.num_heads * c.v_head_dim).astype(x.dtype)
-        return self.o_proj(o, impl=kernel_set), cache
+        return self.o_proj(o, impl=kernel_set, layer=layer_in_run), cache
 
     def _decode(
         self,

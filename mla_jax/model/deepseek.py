@@ -18,14 +18,22 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.cache.metadata import AttentionMetadata
-from mla_jax.kernels.fp8 import Fp8Cache
+from mla_jax.kernels.fp8 import FP8, Fp8Cache
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.layers import MLP, RMSNorm, linear, matmul_precision
 from mla_jax.model.moe import MoE
 
-# The routed experts' parameters (``mlp.experts.*``; not ``mlp.shared_experts``).
-_ROUTED_EXPERTS = nnx.PathContains("experts")
+# What a scan over a run of layers passes whole, each layer's kernels indexing it in place
+# (a layer sliced out of a stack is copied before a kernel can take it, every step): the
+# routed experts' parameters (``mlp.experts.*``; not ``mlp.shared_experts``) and the FP8
+# projections' weights and scales (``Linear``).
+_KEPT_WHOLE = nnx.Any(
+    nnx.PathContains("experts"),
+    lambda path, value: (
+        path[-1] == "kernel_scale_inv" or (path[-1] == "kernel" and value.dtype == FP8)
+    ),
+)
 
 
 class DecoderLayer(nnx.Module):
@@ -69,16 +77,24 @@ class DecoderLayer(nnx.Module):
         expert_axis: str | None = None,
     ):
         """``layer``: this layer's index in the model (its cache slice); ``layer_in_run``:
-        in its run (its routed experts, which the scan passes for the whole run);
+        in its run (its routed experts and FP8 projections, which the scan passes for the
+        whole run);
         ``expert_axis``: see ``MoE.__call__``."""
-        h, cache = self.self_attn(self.input_layernorm(x), cache, metadata, layer=layer, impl=impl)
+        h, cache = self.self_attn(
+            self.input_layernorm(x),
+            cache,
+            metadata,
+            layer=layer,
+            layer_in_run=layer_in_run,
+            impl=impl,
+        )
         x = x + h
         h = self.post_attention_layernorm(x)
         moe = isinstance(self.mlp, MoE)
         if moe:
             h = self.mlp(h, impl=impl, layer=layer_in_run, expert_axis=expert_axis)
         else:
-            h = self.mlp(h, impl=impl)
+            h = self.mlp(h, impl=impl, layer=layer_in_run)
         return x + h, cache
 
 
@@ -171,14 +187,14 @@ class DeepseekModel(nnx.Module):
         kernel_set = kernels.select(impl)  # resolved once for every layer
         x = self.embed_tokens(input_ids)
         for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
-            # The routed experts stay whole (indexed in place by the grouped matmul); the
-            # scan slices the rest layer by layer.
-            graphdef, experts, state = nnx.split(layers, _ROUTED_EXPERTS, ...)
+            # The routed experts and FP8 projections stay whole (indexed in place by their
+            # kernels); the scan slices the rest layer by layer.
+            graphdef, whole, state = nnx.split(layers, _KEPT_WHOLE, ...)
 
-            def layer_step(carry, scanned, graphdef=graphdef, experts=experts, first=first):
+            def layer_step(carry, scanned, graphdef=graphdef, whole=whole, first=first):
                 x, cache = carry
                 layer_in_run, layer_state = scanned
-                x, cache = nnx.merge(graphdef, experts, layer_state)(
+                x, cache = nnx.merge(graphdef, whole, layer_state)(
                     x,
                     cache,
                     metadata,

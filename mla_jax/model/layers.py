@@ -106,10 +106,19 @@ class Linear(nnx.Module):
             jnp.ones(self.blocks.scale_shape(n_in, n_out), jnp.float32)
         )
 
-    def __call__(self, x: jax.Array, *, impl: str | kernels.KernelSet = "auto") -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        impl: str | kernels.KernelSet = "auto",
+        layer: int | jax.Array | None = None,
+    ) -> jax.Array:
         """``x [..., n_in]`` -> ``[..., n_out]`` in ``param_dtype``; ``impl``
         (``kernels.select``) picks the FP8 matmul. On a GPU a bf16 projection of few rows
-        and a narrow output runs split along K (``k_splits``)."""
+        and a narrow output runs split along K (``k_splits``). ``layer``: where the FP8
+        ``kernel`` holds a stack of layers' weights ``[L, n_in, n_out]`` (the model's scan
+        keeps them whole, ``DeepseekModel``), which of them to use; the FP8 matmul reads
+        it in place. A kernel of one layer is that layer's already."""
         x = x.astype(self.dtype)
         if self.blocks is None:
             kernel = self.kernel[...]
@@ -123,8 +132,13 @@ class Linear(nnx.Module):
             dims = (((x.ndim - 1,), (0,)), ((), ()))
             return jax.lax.dot_general(x, kernel, dims, precision=precision)
         rows = x.reshape(-1, x.shape[-1])
+        kernel = self.kernel[...]
         y = kernels.select(impl).fp8_matmul(
-            rows, self.kernel[...], self.kernel_scale_inv[...], blocks=self.blocks
+            rows,
+            kernel,
+            self.kernel_scale_inv[...],
+            blocks=self.blocks,
+            layer=layer if kernel.ndim == 3 else None,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -158,6 +172,14 @@ class MLP(nnx.Module):
         self.up_proj = linear(hidden, intermediate, param_dtype, rngs, fp8_blocks)
         self.down_proj = linear(intermediate, hidden, param_dtype, rngs, fp8_blocks)
 
-    def __call__(self, x: jax.Array, *, impl: str | kernels.KernelSet = "auto") -> jax.Array:
-        hidden = jax.nn.silu(self.gate_proj(x, impl=impl)) * self.up_proj(x, impl=impl)
-        return self.down_proj(hidden, impl=impl)
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        impl: str | kernels.KernelSet = "auto",
+        layer: int | jax.Array | None = None,
+    ) -> jax.Array:
+        """``x [T, H]`` -> ``[T, H]``; ``layer``: see ``Linear.__call__``."""
+        gate = self.gate_proj(x, impl=impl, layer=layer)
+        hidden = jax.nn.silu(gate) * self.up_proj(x, impl=impl, layer=layer)
+        return self.down_proj(hidden, impl=impl, layer=layer)

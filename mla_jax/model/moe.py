@@ -253,7 +253,8 @@ class MoE(nnx.Module):
         """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
         (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
         holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
-        router and shared experts are this layer's own), which of them to use.
+        router is this layer's own, and so are the shared experts unless their FP8
+        weights are stacked too: ``Linear.__call__``), which of them to use.
         ``expert_axis``: a mesh axis, manual in the caller's ``shard_map``, over which the
         routed experts are split (each rank holds its range of them): the ranks' tokens go
         to every rank's experts and come back (``expert_parallel.dispatch_and_combine``);
@@ -284,7 +285,7 @@ class MoE(nnx.Module):
                 axis_name=expert_axis,
                 num_local_experts=self.experts.down_proj.shape[-3],
             )
-        shared = self.shared_experts(x.astype(self.dtype), impl=kernel_set)
+        shared = self.shared_experts(x.astype(self.dtype), impl=kernel_set, layer=layer)
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 

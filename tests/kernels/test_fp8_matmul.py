@@ -29,8 +29,8 @@ MATMULS = {
     "pallas": fm.fp8_matmul,
     "reference": fm.reference.fp8_matmul,
     "fastest": fm.fastest,
-    "dequantized_dot": lambda x, w, s, *, blocks, config=None: fm.reference.dequantized_dot(
-        x, w, s, blocks=blocks
+    "dequantized_dot": lambda x, w, s, *, blocks, layer=None, config=None: (
+        fm.reference.dequantized_dot(x, w, s, blocks=blocks, layer=layer)
     ),
 }
 GROUPED = {"pallas": gm.grouped_matmul, "reference": gm.reference.grouped_matmul}
@@ -138,6 +138,26 @@ def test_fp8_matmul(case, impl, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("impl", list(MATMULS))
+def test_fp8_matmul_reads_a_stacked_layer(impl, dtype, rng):
+    """A stack of layers' weights ``[L, K, N]`` with ``layer`` (traced, as under a scan over
+    layers): that layer's product; the other layers' weights and scales are NaN, so a read
+    of them would show."""
+    m, k, n, layers = 5, 100, 72, 3
+    blocks = fp8_blocks.Fp8Blocks(16, 32)
+    weight, scale = _fp8_weight(rng, (layers, k, n), blocks)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    run = jax.jit(lambda x, w, s, layer: MATMULS[impl](x, w, s, blocks=blocks, layer=layer))
+    for layer in (0, layers - 1):
+        others = np.arange(layers) != layer
+        poisoned = weight.at[others].set(jnp.nan), scale.at[others].set(jnp.nan)
+        got = run(x, *poisoned, jnp.int32(layer))
+        assert got.shape == (m, n) and got.dtype == dtype
+        want = np.asarray(x, np.float64) @ _numpy_dequantize(weight[layer], scale[layer], blocks)
+        _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", list(GROUPED))
 def test_grouped_matmul_fp8_experts(impl, dtype, rng):
     """The experts outside the layer's (and for the kernel, the layer's experts 1 and 4,
@@ -227,6 +247,33 @@ def test_fastest_picks_by_rows(monkeypatch):
     assert calls == ["pallas", "pallas", "dequantized", "pallas"]
 
 
+def test_fastest_copies_out_a_layer_only_where_triton_would_wrap(monkeypatch):
+    """``fastest`` hands the compiled kernel a stack and its ``layer`` (read in place),
+    except a stack in (2 GiB, 4 GiB], whose layer it slices out (the kernel would index the
+    stack with wrapping offsets: ``fp8.check_triton_indexable``); interpreted, the stack."""
+    given = []
+
+    def kernel(x, w, s, *, layer, **kwargs):
+        given.append((w.ndim, layer is None))
+        return jnp.zeros((x.shape[0], w.shape[-1]), x.dtype)
+
+    monkeypatch.setattr(fm, "fp8_matmul", kernel)
+    blocks = fp8_blocks.Fp8Blocks(128, 128)
+    x = jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16)
+    for layers, interpret in ((3, False), (130, False), (130, True)):  # 0.05 GB, 2.18 GB
+        weight = jax.ShapeDtypeStruct((layers, 4096, 4096), fp8_blocks.FP8)
+        scales = jax.ShapeDtypeStruct((layers, 32, 32), jnp.float32)
+        jax.eval_shape(
+            lambda x, w, s, i=interpret: fm.fastest(
+                x, w, s, blocks=blocks, layer=jnp.int32(1), interpret=i
+            ),
+            x,
+            weight,
+            scales,
+        )
+    assert given == [(3, False), (2, True), (3, False)]
+
+
 def test_tuned_configs_are_used(monkeypatch):
     """``for_shape`` takes a measured config for its shape from ``kernels.tuned`` and falls
     back on its rules for the others; the committed tables hold valid configs."""
@@ -254,6 +301,15 @@ def test_fp8_inputs_refused():
         fm.fp8_matmul(x, weight, jnp.ones((2, 2), jnp.float32), blocks=blocks)
     with pytest.raises(ValueError, match="float8_e4m3fn with float32 scales"):
         fm.fp8_matmul(x, weight.astype(jnp.float32), jnp.ones((2, 3), jnp.float32), blocks=blocks)
+    with pytest.raises(ValueError, match=r"weight \(1, 32, 48\) \[K, N\]"):
+        fm.fp8_matmul(x, weight[None], jnp.ones((1, 2, 3), jnp.float32), blocks=blocks)
+    with pytest.raises(ValueError, match=r"weight \(32, 48\) \[L, K, N\] \(a stack"):
+        fm.fp8_matmul(x, weight, jnp.ones((2, 3), jnp.float32), blocks=blocks, layer=0)
+    stack, stack_scales = weight[None], jnp.ones((1, 2, 3), jnp.float32)
+    with pytest.raises(ValueError, match="layer 1 is not one of weight's 1"):
+        fm.reference.fp8_matmul(x, stack, stack_scales, blocks=blocks, layer=1)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        fm.fp8_matmul(x, stack, stack_scales, blocks=blocks, layer=jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="rhs_scale_inv and blocks go together"):
         gm.grouped_matmul(x, weight[None], jnp.asarray([4], jnp.int32), blocks=blocks)
 
@@ -281,8 +337,10 @@ def test_kernels_lower_for_cuda():
     x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
     experts = jax.ShapeDtypeStruct((3, 512, 256), fp8_blocks.FP8)
     expert_scales = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
     for f, args in (
         (dense, (x, weight, scales)),
+        (lambda x, w, s, i: dense(x, w, s, layer=i), (x, experts, expert_scales, layer)),
         (
             lambda x, w, g, s: grouped(x, w, g, rhs_scale_inv=s),
             (x, experts, jax.ShapeDtypeStruct((3,), jnp.int32), expert_scales),

@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_checkpoints import CHECKPOINTS, greedy_tokens, write_checkpoint  # noqa: E402
 
+from mla_jax import kernels  # noqa: E402
 from mla_jax.cache.latent_cache import init_cache  # noqa: E402
 from mla_jax.cache.metadata import build_metadata  # noqa: E402
 from mla_jax.checkpoint.loader import load_model  # noqa: E402
@@ -145,6 +146,15 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
     assert attention.kv_b_proj.kernel.dtype == jnp.float32  # dequantized at load either way
     assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept
     prompt = rng.integers(0, 96, 9).tolist()
+    logits, md = _prefill(cfg, model, prompt, "reference")
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+    assert rel_err(np.asarray(logits)[md.request_rows()][0], want) < 1e-5
+
+
+def _prefill(cfg, model, prompt: list[int], impl):
+    """The logits and metadata of ``model`` prefilling ``prompt`` (up to 12 tokens) into an
+    empty float32 cache of pages of 4."""
     md = build_metadata(
         np.zeros(1, np.int32),
         np.array([len(prompt)]),
@@ -156,10 +166,31 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
     ids = np.zeros(md.positions.shape[0], np.int32)
     ids[md.token_rows()] = prompt
     cache = init_cache(cfg.num_layers, 3, 4, cfg.mla.cache_width, jnp.float32)
-    logits, _ = model(jnp.asarray(ids), cache, md, impl="reference")
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
-    assert rel_err(np.asarray(logits)[md.request_rows()][0], want) < 1e-5
+    logits, _ = model(jnp.asarray(ids), cache, md, impl=impl)
+    return logits, md
+
+
+def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
+    """The scans over the runs of layers pass the FP8 projections' stacked weights whole:
+    every ``fp8_matmul`` call gets a run's ``[L, K, N]`` stack and its layer's index (a
+    layer sliced out would be copied before the GPU kernel could read it, every step)."""
+    _, path, _ = fp8_checkpoint
+    cfg, model = load_model(path, fp8_weights="keep")
+    calls = []
+
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+        calls.append((weight.shape[0], layer is not None))
+        return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
+
+    _prefill(
+        cfg,
+        model,
+        rng.integers(0, 96, 9).tolist(),
+        kernels.REFERENCE._replace(fp8_matmul=fp8_matmul),
+    )
+    runs = [count for _, count, _ in cfg.layer_runs()]
+    assert max(runs) > 1 and {layers for layers, _ in calls} == set(runs)
+    assert all(with_layer for _, with_layer in calls)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 
-from .. import fp8_blocks, mosaic_gpu
+from .. import fp8, fp8_blocks, mosaic_gpu, online_softmax
 from . import reference
 from .pallas_triton import Fp8MatmulConfig, fp8_matmul
 
@@ -30,12 +31,15 @@ def fastest(
     scale_inv: jax.Array,
     *,
     blocks: fp8_blocks.Fp8Blocks,
+    layer: int | jax.Array | None = None,
     config: Fp8MatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """``x @ dequantize(weight, scale_inv)`` (``fp8_matmul``'s signature and result): the
     Pallas kernel up to ``PALLAS_MAX_ROWS`` rows (or with an explicit ``config``), else
-    ``reference.dequantized_dot`` (the choice logged once per kind)."""
+    ``reference.dequantized_dot`` (the choice logged once per kind). A stack the Triton
+    lowering would index wrongly (``fp8.check_triton_indexable``) gives the kernel its
+    ``layer`` sliced out, a copy each call (logged once)."""
     if config is None and x.shape[0] > PALLAS_MAX_ROWS:
         mosaic_gpu.log_once(
             log,
@@ -43,5 +47,23 @@ def fastest(
             "temporary and multiplied by XLA's dot (cuBLAS), faster there than the Pallas "
             "kernel",
         )
-        return reference.dequantized_dot(x, weight, scale_inv, blocks=blocks)
-    return fp8_matmul(x, weight, scale_inv, blocks=blocks, config=config, interpret=interpret)
+        return reference.dequantized_dot(x, weight, scale_inv, blocks=blocks, layer=layer)
+    if layer is not None and _wraps_in_triton(weight, interpret):
+        mosaic_gpu.log_once(
+            log,
+            f"fp8_matmul: a stacked weight {jnp.dtype(weight.dtype).name}"
+            f"{list(weight.shape)} fills (2 GiB, 4 GiB], which the Triton lowering indexes "
+            "with wrapping 32-bit offsets: its layer is copied out for the kernel each call",
+        )
+        weight, scale_inv, layer = weight[layer], scale_inv[layer], None
+    return fp8_matmul(
+        x, weight, scale_inv, blocks=blocks, layer=layer, config=config, interpret=interpret
+    )
+
+
+def _wraps_in_triton(weight: jax.Array, interpret: bool | None) -> bool:
+    """Whether the compiled Triton kernel would refuse ``weight``
+    (``fp8.check_triton_indexable``); interpret mode indexes it right."""
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    return not interpret and fp8.wraps_triton_offsets(weight)

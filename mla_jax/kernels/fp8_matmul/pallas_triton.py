@@ -86,12 +86,23 @@ class Fp8MatmulConfig:
 
 
 def check(
-    x: jax.Array, weight: jax.Array, scale_inv: jax.Array, blocks: fp8_blocks.Fp8Blocks
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    blocks: fp8_blocks.Fp8Blocks,
+    layer: int | jax.Array | None = None,
 ) -> None:
     """The kernel's (and its reference's) input checks: ValueError in one line naming the
     argument."""
-    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} [K, N]")
+    want_ndim = 2 if layer is None else 3
+    if x.ndim != 2 or weight.ndim != want_ndim or x.shape[1] != weight.shape[-2]:
+        form = "[K, N]" if layer is None else "[L, K, N] (a stack, with layer)"
+        raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} {form}")
+    if layer is not None:
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < weight.shape[0]:
+            raise ValueError(f"layer {int(layer)} is not one of weight's {weight.shape[0]}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     if not isinstance(blocks, fp8_blocks.Fp8Blocks):
@@ -100,6 +111,7 @@ def check(
 
 
 def _fp8_matmul_kernel(
+    layer_ref,
     x_ref,
     weight_ref,
     scale_ref,
@@ -116,8 +128,9 @@ def _fp8_matmul_kernel(
     swap_ab: bool,
 ):
     """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``
-    (``rest``: x's ``float16_rows`` factors where x is float16, then the output);
-    ``out_ref [k_splits, rows, N]`` float32 partials, or ``[rows, N]`` in the model's dtype."""
+    of the weight ``weight_ref [L, K, N]`` at ``layer_ref [1]`` (``rest``: x's
+    ``float16_rows`` factors where x is float16, then the output); ``out_ref [k_splits,
+    rows, N]`` float32 partials, or ``[rows, N]`` in the model's dtype."""
     row_scale_ref, out_ref = rest if len(rest) == 2 else (None, *rest)
     j, i, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r0, n0 = i * block_m, j * block_n
@@ -131,7 +144,7 @@ def _fp8_matmul_kernel(
         r0=r0,
         row_ok=row_ok,
         n0=n0,
-        lead=(),
+        lead=(layer_ref[0],),
         begin=begin,
         end=end,
         depth=depth,
@@ -159,6 +172,7 @@ def fp8_matmul(
     scale_inv: jax.Array,
     *,
     blocks: fp8_blocks.Fp8Blocks,
+    layer: int | jax.Array | None = None,
     config: Fp8MatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -167,9 +181,13 @@ def fp8_matmul(
     Args:
       x: ``[M, K]`` bfloat16 or float32 (the MMA runs in x's dtype, or in float16 with
         ``config.float16_mma``).
-      weight: ``[K, N]`` float8_e4m3fn (HF's ``[N, K]`` transposed).
+      weight: ``[K, N]`` float8_e4m3fn (HF's ``[N, K]`` transposed); with ``layer``, a
+        stack of layers' weights ``[L, K, N]``.
       scale_inv: ``blocks.scale_shape(K, N)`` float32 block scales (HF's ``weight_scale_inv``
-        transposed). blocks: their block sizes (static).
+        transposed), ``[L, ...]`` for a stack. blocks: their block sizes (static).
+      layer: int32 scalar (may be traced): which of a stacked weight's layers to use. The
+        kernel reads it in place: a layer sliced out of a stack (as a scan over layers
+        would) is copied before a kernel can take it, every call.
       config: launch parameters (default: ``Fp8MatmulConfig.for_shape(M, K, N)``); blocks
         larger than an axis shrink to the power of two that fits it (at least 16).
       interpret: Pallas interpret mode (default: off on GPUs only).
@@ -177,19 +195,24 @@ def fp8_matmul(
     Returns:
       ``[M, N]`` in x's dtype, accumulated in float32.
     """
-    check(x, weight, scale_inv, blocks)
+    check(x, weight, scale_inv, blocks, layer)
     if interpret is None:
         interpret = online_softmax.interpret_default()
     if not interpret:
         fp8.check_triton_indexable(weight, "weight")
-    config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape)
-    return _fp8_matmul(x, weight, scale_inv, blocks=blocks, config=config, interpret=interpret)
+    config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape[-2:])
+    if layer is None:  # one layer: a stack of one (free reshapes)
+        weight, scale_inv, layer = weight[None], scale_inv[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return _fp8_matmul(
+        x, weight, scale_inv, layer, blocks=blocks, config=config, interpret=interpret
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
-def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
+def _fp8_matmul(x, weight, scale_inv, layer, *, blocks, config, interpret):
     m, k = x.shape
-    n = weight.shape[1]
+    n = weight.shape[-1]
     block_m = matmul_steps.fit_block(config.block_m, m)
     block_n = matmul_steps.fit_block(config.block_n, n)
     block_k = matmul_steps.fit_block(config.block_k, k)
@@ -204,7 +227,7 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
     out_dtype = x.dtype
     x, row_scale = matmul_steps.float16_operands(config.float16_mma, x, blocks, block_k, rows)
     x = online_softmax.pad_to(x, (rows, max(k, tile)))
-    weight = online_softmax.pad_to(weight, (max(k, tile), max(n, tile)))
+    weight = online_softmax.pad_to(weight, (weight.shape[0], max(k, tile), max(n, tile)))
     kernel = functools.partial(
         _fp8_matmul_kernel,
         rows=m,
@@ -218,7 +241,7 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         scale_product=config.scale_product or bool(row_scale),
         swap_ab=config.swap_ab,
     )
-    out_shape = (rows, weight.shape[1])
+    out_shape = (rows, weight.shape[-1])
     if splits > 1:
         out_shape = jax.ShapeDtypeStruct((splits, *out_shape), jnp.float32)
     else:
@@ -232,7 +255,7 @@ def _fp8_matmul(x, weight, scale_inv, *, blocks, config, interpret):
         ),
         interpret=interpret,
         name="fp8_matmul",
-    )(x, weight, scale_inv, *row_scale)
+    )(layer, x, weight, scale_inv, *row_scale)
     if splits > 1:
         out = out.sum(axis=0).astype(out_dtype)
     return out[:m, :n]
