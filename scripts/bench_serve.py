@@ -1,5 +1,7 @@
 """Serving benchmark: the whole engine (``Engine.generate``) on DeepSeek-shaped models with
-random bf16 weights made on the GPU.
+random bf16 weights made on the GPU (``--fp8-weights``: the decoder's projections and experts
+in float8_e4m3fn with 128 x 128 block scales, as an FP8 checkpoint kept FP8; every table's
+name gets ``_fp8_weights``).
 
 Rows: decode-heavy (batch 1, 16, 64, 256 at contexts 512 and 4096), prefill-heavy, and a
 mixed ragged workload (64 requests arriving together, prompts 100-4000, 1-256 new tokens)
@@ -213,6 +215,40 @@ SMOKE = Sizes(
 )
 
 
+# DeepSeek-V3's weight_block_size: the blocks of --fp8-weights.
+FP8_WEIGHT_BLOCKS = (128, 128)
+
+
+def new_model(cfg: ModelConfig, fp8_weights: bool) -> DeepseekModel:
+    """A model of ``cfg`` with random bf16 weights, or with ``fp8_weights`` its decoder's
+    projections and experts float8_e4m3fn (their random initial values cast, unit block
+    scales of ``FP8_WEIGHT_BLOCKS``), run as an FP8 checkpoint kept FP8 is."""
+    blocks = FP8_WEIGHT_BLOCKS if fp8_weights else None
+    return DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+
+
+def weights_note(fp8_weights: bool) -> str:
+    """How a table's weights were made (``new_model``)."""
+    if fp8_weights:
+        return (
+            "random weights, the decoder's projections and experts float8_e4m3fn with "
+            f"{FP8_WEIGHT_BLOCKS[0]} x {FP8_WEIGHT_BLOCKS[1]} block scales (kept FP8), the "
+            "rest bf16"
+        )
+    return "random bf16 weights"
+
+
+def table_name(kind: str, model: str, fp8_weights: bool) -> str:
+    """A table's name: ``serve_<model>``, ``serve_kv_cache_<model>`` and so on, then
+    ``_fp8_weights`` for ``--fp8-weights``."""
+    return f"{kind}_{model}" + ("_fp8_weights" if fp8_weights else "")
+
+
+def shaped(model: str, fp8_weights: bool) -> str:
+    """``v3-shaped model`` (``with FP8 weights``), as a table's title says it."""
+    return f"{model}-shaped model" + (" with FP8 weights" if fp8_weights else "")
+
+
 def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
     """Bytes of the weights a step of ``tokens`` tokens reads: all but the embedding table (a
     step gathers only its tokens' rows of it) and, in MoE layers, only the routed experts the
@@ -422,12 +458,14 @@ def default_compile_depths(model: str, sizes: Sizes) -> str:
     return sizes.compile_depths if model in ("v2-lite", "tiny") else ""
 
 
-def _compile_depths(base: ModelConfig, depths: list[int], sizes: Sizes) -> list[dict]:
+def _compile_depths(
+    base: ModelConfig, depths: list[int], sizes: Sizes, fp8_weights: bool
+) -> list[dict]:
     """Seconds to compile one decode and one prefill program at each depth (no cache)."""
     rows = []
     for depth in depths:
         cfg = dataclasses.replace(base, num_layers=depth)
-        model = DeepseekModel(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        model = new_model(cfg, fp8_weights)
         # A small cache: only the programs matter here.
         engine = Engine(model, sizes.engine_config(num_blocks=512), log=lambda _: None)
         engine.precompile([list(step) for step in sizes.compile_steps])
@@ -447,10 +485,11 @@ def _kv_cache_comparison(
     bandwidth,
     sizes: Sizes,
     out_dir: str | None,
+    fp8_weights: bool,
 ) -> None:
     """Decode rows on an engine per cache dtype, and each layout's capacity in
     ``sizes.capacity_tokens``-token requests within the memory of the first layout's cache;
-    the table ``serve_kv_cache_<name>``."""
+    the table ``serve_kv_cache_<name>`` (``table_name``)."""
     page, capacity_tokens = sizes.page, sizes.capacity_tokens
     blocks_per_request = -(-capacity_tokens // page)
     rows, budget, first_requests = [], None, None
@@ -477,8 +516,8 @@ def _kv_cache_comparison(
         del engine  # its cache, before the next one's
     mla = model_cfg.mla
     save(
-        f"serve_kv_cache_{name}",
-        f"Serving: KV cache layouts on a {name}-shaped model (Engine.generate)",
+        table_name("serve_kv_cache", name, fp8_weights),
+        f"Serving: KV cache layouts on a {shaped(name, fp8_weights)} (Engine.generate)",
         [
             "workload",
             "kv cache",
@@ -490,7 +529,7 @@ def _kv_cache_comparison(
         rows,
         [
             f"{model_cfg.num_layers} layers, Lkv {mla.kv_lora_rank} + rope "
-            f"{mla.qk_rope_head_dim}, random bf16 weights, page {page}, {sizes.kernels} "
+            f"{mla.qk_rope_head_dim}, {weights_note(fp8_weights)}, page {page}, {sizes.kernels} "
             "kernels; "
             "auto: the model's dtype (bf16); fp8: e4m3 latent, a float32 scale per 128 "
             "values, bf16 rope.",
@@ -605,7 +644,7 @@ def _prefix_comparison(args, model, model_cfg) -> str:
     mla = model_cfg.mla
     notes = [
         f"{model_cfg.num_layers} layers, hidden {mla.hidden_size}, {mla.num_heads} heads, "
-        f"random bf16 weights, {args.impl} kernels, asynchronous scheduling; page "
+        f"{weights_note(args.fp8_weights)}, {args.impl} kernels, asynchronous scheduling; page "
         f"{settings['block_size']}, {settings['max_num_batched_tokens']} tokens and up to "
         f"{settings['max_num_prefills']} prompt chunks a step, {settings['max_num_seqs']} "
         f"requests running at most, {settings['num_blocks']} cache blocks; every program "
@@ -621,8 +660,8 @@ def _prefix_comparison(args, model, model_cfg) -> str:
         "the cache / prompt tokens. Tokens/s: per second of the whole run.",
     ]
     return save(
-        f"serve_prefix_{args.model}",
-        f"Serving: prefix caching on a {args.model}-shaped model (Engine.generate)",
+        table_name("serve_prefix", args.model, args.fp8_weights),
+        f"Serving: prefix caching on a {shaped(args.model, args.fp8_weights)} (Engine.generate)",
         PREFIX_COLUMNS,
         [measured[kind, caching] for kind in kinds for caching in (False, True)],
         notes,
@@ -693,6 +732,12 @@ def main(argv: list[str] | None = None) -> None:
         "cache-layout tables; their decode rows also time the host with single steps",
     )
     ap.add_argument(
+        "--fp8-weights",
+        action="store_true",
+        help="the decoder's projections and experts in float8_e4m3fn with 128 x 128 block "
+        "scales (new_model); the tables' names end in _fp8_weights",
+    )
+    ap.add_argument(
         "--no-publish",
         action="store_true",
         help="write the JSON only under --out (a trial run: benchmarks/ and the page untouched)",
@@ -721,19 +766,18 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = TINY if args.model == "tiny" else MODELS[args.model]
     if args.layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=args.layers)
+    model = new_model(model_cfg, args.fp8_weights)
     if args.prefix:
-        model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         _prefix_comparison(args, model, model_cfg)
         return
     bandwidth = copy_bandwidth().gbs
-    model = DeepseekModel(model_cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     weight_bytes = _weight_bytes(model, 1)
     print(
         f"{args.model}: {model_cfg.num_layers} layers, {weight_bytes / 1e9:.2f} GB of weights "
         f"read by a 1-token step, copy bandwidth {bandwidth:.0f} GB/s",
         flush=True,
     )
-    comparison = (args.model, model, model_cfg, bandwidth, sizes, args.out)
+    comparison = (args.model, model, model_cfg, bandwidth, sizes, args.out, args.fp8_weights)
     if args.kv_cache_dtypes:
         rows = _rows(args.decode_rows) if args.decode_rows else sizes.decode_rows[-1:]
         _kv_cache_comparison(args.kv_cache_dtypes.split(","), rows, *comparison)
@@ -800,7 +844,6 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(rows[-1], flush=True)
     stats = engine.stats.as_dict()
-    name = f"serve_{args.model}"
     moe = model_cfg.moe
     mlp = f"dense MLP {model_cfg.intermediate_size}"
     if moe:
@@ -812,8 +855,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = [
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
-        f"random bf16 weights, page {sizes.page}, {sizes.kernels} kernels, asynchronous "
-        "scheduling.",
+        f"{weights_note(args.fp8_weights)}, page {sizes.page}, {sizes.kernels} kernels, "
+        "asynchronous scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps). The wall divides into "
         "host (the host working: giving out the tokens of an earlier step, scheduling, "
@@ -848,8 +891,8 @@ def main(argv: list[str] | None = None) -> None:
             f"p50/p99 {mixed['itl_ms_p50_p99']} ms."
         )
     save(
-        name,
-        f"Serving: {args.model}-shaped model through Engine.generate",
+        table_name("serve", args.model, args.fp8_weights),
+        f"Serving: {shaped(args.model, args.fp8_weights)} through Engine.generate",
         [
             "workload",
             *STEP_COLUMNS,
@@ -866,14 +909,14 @@ def main(argv: list[str] | None = None) -> None:
         del engine, model
         decodes, [(_, prefill_tokens)] = sizes.compile_steps
         save(
-            f"compile_{args.model}",
-            f"Compile seconds per program against depth ({args.model}-shaped)",
+            table_name("compile", args.model, args.fp8_weights),
+            f"Compile seconds per program against depth ({shaped(args.model, args.fp8_weights)})",
             [
                 "layers",
                 f"decode {len(decodes)} program s",
                 f"prefill {prefill_tokens} program s",
             ],
-            _compile_depths(model_cfg, depths, sizes),
+            _compile_depths(model_cfg, depths, sizes, args.fp8_weights),
             [
                 "Layers are stacked and run by a lax.scan: in a prefill program XLA compiles one "
                 "layer; a decode program unrolls the scan (EngineConfig.unroll_decode_layers: "

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 from conftest import ROOT
 
@@ -88,3 +89,40 @@ def test_kernel_breakdown_accounts_for_every_kernel():
     assert kernels["k12"] == pytest.approx(1.3)
     assert kernels["other (3 kernels, 3 launches a step)"] == pytest.approx(0.6)
     assert sum(kernels.values()) == pytest.approx(total_ms)
+
+
+def test_fp8_weights_serving_tables_on_the_tiny_model(tmp_path):
+    """``--smoke --fp8-weights``: the serving and cache-layout tables of a model whose
+    projections and experts hold float8_e4m3fn weights, under names of their own."""
+    env = dict(os.environ, MLA_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    argv = ["--smoke", "--fp8-weights", "--rows", "decode", "--compile-depths", ""]
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_serve.py"),
+            *argv,
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    written = sorted(path.name for path in tmp_path.glob("*.json"))
+    assert written == ["serve_kv_cache_tiny_fp8_weights.json", "serve_tiny_fp8_weights.json"]
+    result = json.loads((tmp_path / "serve_tiny_fp8_weights.json").read_text())
+    assert result["title"].endswith("tiny-shaped model with FP8 weights through Engine.generate")
+    assert "float8_e4m3fn with 128 x 128 block scales" in result["notes"][0]
+    assert [row["cells"][0] for row in result["rows"]] == ["decode 1 x 16", "decode 4 x 16"]
+
+
+def test_fp8_weights_model_keeps_its_projections_fp8():
+    model = bench_serve.new_model(bench_serve.TINY, fp8_weights=True)
+    attention = model.layers[0].self_attn
+    assert attention.kv_a_proj_with_mqa.kernel.dtype == jnp.float8_e4m3fn
+    assert attention.kv_a_proj_with_mqa.kernel_scale_inv.dtype == jnp.float32
+    plain = bench_serve.new_model(bench_serve.TINY, fp8_weights=False)
+    assert plain.layers[0].self_attn.kv_a_proj_with_mqa.kernel.dtype == jnp.bfloat16
