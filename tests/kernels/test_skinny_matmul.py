@@ -103,6 +103,21 @@ def test_matches_float64(rng, m, k, n, config, layers):
     _check(got, x, weight, layer)
 
 
+@mosaic_gpu_runs
+def test_traced_layer(rng):
+    """The layer as a traced int32 (a scan's layer index), bf16 and FP8 weights: the kernel
+    reads it from global memory; the stacks' other layers are NaN."""
+    x, weight, layer = _case(rng, 5, 256, 128, layers=3)
+    run = jax.jit(lambda x, w, i: skinny.skinny_matmul(x, w, layer=i, config=Config(splits=2)))
+    _check(run(x, weight, jnp.int32(layer)), x, weight, layer)
+    blocks = Blocks(128, 128)
+    x, weight, scale_inv, layer, exact = _fp8_case(rng, 5, 256, 128, blocks, layers=2)
+    run = jax.jit(
+        lambda x, w, s, i: skinny.skinny_matmul(x, w, scale_inv=s, blocks=blocks, layer=i)
+    )
+    _check(run(x, weight, scale_inv, jnp.int32(layer)), x, exact, None)
+
+
 def test_reference_matches_float64(rng):
     x, weight, layer = _case(rng, 7, 192, 96, layers=3)
     _check(skinny.reference.skinny_matmul(x, weight, layer=layer), x, weight, layer)
@@ -194,7 +209,8 @@ def test_launch_cost_counts_waves():
         ((2, 128), (64, 64), None, None, "x's K (128) is not the weight's (64)"),
         ((2, 64), (3, 64, 64), None, None, "a layer index goes with a stacked"),
         ((2, 64), (64, 64), 0, None, "a layer index goes with a stacked"),
-        ((2, 64), (3, 64, 64), 3, None, "layer must be a static int in [0, 3)"),
+        ((2, 64), (3, 64, 64), 3, None, "layer 3 is not in [0, 3)"),
+        ((2, 64), (3, 64, 64), 0.5, None, "layer must be an integer scalar"),
         ((2, 64), (64, 96), None, None, "N 96 does not split into blocks of 64"),
         ((2, 96), (96, 64), None, None, "K 96 does not split into steps of 64"),
         ((2, 192), (192, 64), None, Config(splits=2), "2 slices of K do not divide its 3"),

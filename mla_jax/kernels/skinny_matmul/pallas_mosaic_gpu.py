@@ -90,7 +90,7 @@ class SkinnyMatmulConfig:
 def check(
     x: jax.Array,
     weight: jax.Array,
-    layer: int | None,
+    layer: int | jax.Array | None,
     scale_inv: jax.Array | None = None,
     blocks: fp8_blocks.Fp8Blocks | None = None,
 ) -> None:
@@ -123,10 +123,11 @@ def check(
             "skinny_matmul: a layer index goes with a stacked [L, K, N] weight and only "
             f"with one (weight {weight.shape}, layer {layer})"
         )
-    if layer is not None and not (isinstance(layer, int) and 0 <= layer < weight.shape[0]):
-        raise ValueError(
-            f"skinny_matmul: layer must be a static int in [0, {weight.shape[0]}), got {layer!r}"
-        )
+    if layer is not None:
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"skinny_matmul: layer must be an integer scalar, got {layer!r}")
+        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < weight.shape[0]:
+            raise ValueError(f"skinny_matmul: layer {int(layer)} is not in [0, {weight.shape[0]})")
     if blocks is not None:
         blocks.check(weight, scale_inv, "skinny_matmul: weight")
 
@@ -294,7 +295,7 @@ def skinny_matmul(
     *,
     scale_inv: jax.Array | None = None,
     blocks: fp8_blocks.Fp8Blocks | None = None,
-    layer: int | None = None,
+    layer: int | jax.Array | None = None,
     config: SkinnyMatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -303,8 +304,9 @@ def skinny_matmul(
 
     Args:
       x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``.
-      weight: ``[K, N]`` bfloat16 or float8_e4m3fn, or ``[L, K, N]`` with ``layer`` (static)
-        in ``[0, L)``; K a multiple of ``config.block_k``, N of 64.
+      weight: ``[K, N]`` bfloat16 or float8_e4m3fn, or ``[L, K, N]`` with ``layer``, an
+        int32 scalar in ``[0, L)`` (may be traced, as a scan's layer index is; the kernel
+        reads it from global memory); K a multiple of ``config.block_k``, N of 64.
       scale_inv, blocks: a float8_e4m3fn weight's float32 block scales
         (``blocks.scale_shape(K, N)``, ``[L, ...]`` for a stacked one) and their block sizes
         (static; whole blocks only); None for bfloat16.
@@ -323,13 +325,17 @@ def skinny_matmul(
     plan = launch(m, k, n, config, device_num_sms(), blocks)
     rows = padded_rows(m)
     padded = jnp.pad(x, ((0, rows - m), (0, 0)))
-    operands = (padded, weight)
+    if layer is None:  # one layer: a stack of one (free reshapes)
+        weight, layer = weight[None], 0
+        scale_inv = None if scale_inv is None else scale_inv[None]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    operands = (layer, padded, weight)
     if blocks is None:
         out_dtype = x.dtype if plan.splits == 1 else jnp.float32
         scratch = dict(out_smem=plgpu.SMEM((plan.block_n, rows), out_dtype))
     else:
         padded, row_factors = matmul_steps.float16_rows(padded)
-        operands = (padded, weight, scale_inv)
+        operands = (layer, padded, weight, scale_inv)
         out_dtype = jnp.float32
         tile = plgpu.SMEM(
             (plan.block_k, plan.block_n), jnp.float16, transforms=_swizzled(CONVERT_COLUMNS)
@@ -343,7 +349,7 @@ def skinny_matmul(
         )
     num_warpgroups = plan.consumers + 1  # beside one that copies
     kernel = plgpu.kernel(
-        functools.partial(_kernel, plan=plan, layer=layer, blocks=blocks),
+        functools.partial(_kernel, plan=plan, blocks=blocks),
         out_type=jax.ShapeDtypeStruct((plan.splits, n, rows), out_dtype),
         scratch_types=scratch,
         grid=(n // plan.block_n, plan.splits),
@@ -367,11 +373,11 @@ def _swizzled(row_elements: int, itemsize: int = 2) -> tuple:
 
 
 def _kernel(
+    layer_gmem,
     x_gmem,
     w_gmem,
     *refs,
     plan: Launch,
-    layer,
     blocks,
     out_smem=None,
     converted=(),
@@ -379,15 +385,17 @@ def _kernel(
     total_ready=None,
 ):
     """One program: ``out^T``'s rows ``n`` (the output's columns) from slice ``split`` of K,
-    ``[block_n, rows]``; over an FP8 weight float32, before the rows' float16 factors, the
-    compute warpgroups' sums added in the last one's tile."""
+    ``[block_n, rows]``, of the stacked weight ``w_gmem [L, K, N]``'s layer ``layer_gmem
+    [1]``; over an FP8 weight float32, before the rows' float16 factors, the compute
+    warpgroups' sums added in the last one's tile."""
     *scale_gmem, out_gmem = refs
     rows, k = x_gmem.shape
     steps = k // plan.block_k // plan.splits
     split = lax.axis_index("split")
     n0 = lax.axis_index("n") * plan.block_n
     k_slice = pl.ds(split * steps * plan.block_k, steps * plan.block_k)
-    weight = w_gmem if layer is None else w_gmem.at[layer]
+    layer = layer_gmem[0]
+    weight = w_gmem.at[layer]
     acc_shape = (plan.block_n, rows)
     if blocks is not None:
         *converted, (last, out_smem) = (*converted, last_or_out)
@@ -414,7 +422,7 @@ def _kernel(
             return acc
 
     else:
-        scales = scale_gmem[0] if layer is None else scale_gmem[0].at[layer]
+        scales = scale_gmem[0].at[layer]
         column = fp8_blocks.scale_columns(n0, w_gmem.shape[-1], blocks)
         wg = lax.axis_index("wg")  # of the compute warpgroups, 0 to consumers - 1
 

@@ -16,7 +16,7 @@ def skinny_matmul(
     *,
     scale_inv: jax.Array | None = None,
     blocks: _fp8_blocks.Fp8Blocks | None = None,
-    layer: int | None = None,
+    layer: int | jax.Array | None = None,
     config=None,
     interpret=None,
 ) -> jax.Array:
@@ -25,8 +25,8 @@ def skinny_matmul(
 
     Args:
       x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``.
-      weight: ``[K, N]`` bfloat16 or float8_e4m3fn, or ``[L, K, N]`` with ``layer`` (static)
-        in ``[0, L)``.
+      weight: ``[K, N]`` bfloat16 or float8_e4m3fn, or ``[L, K, N]`` with ``layer``, an
+        int32 scalar in ``[0, L)`` (may be traced).
       scale_inv, blocks: a float8_e4m3fn weight's float32 block scales and their block
         sizes; None for bfloat16.
       config, interpret: the kernel's launch and mode; ignored here.
