@@ -27,7 +27,8 @@ class KernelSet(NamedTuple):
     (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
     ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
     ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
-    causal, schedule, FP8 weights' scales and blocks). ``backend`` names the set
+    causal, schedule, FP8 weights' scales, blocks and the layer of a stacked weight).
+    ``backend`` names the set
     (``"reference"``, ``"triton"`` or ``"mosaic_gpu"``): the host plans the Pallas kernels'
     schedules for it (``KernelPlan``)."""
 

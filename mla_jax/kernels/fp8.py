@@ -80,7 +80,7 @@ def check_triton_indexable(array: jax.Array, what: str) -> None:
     buffer's bytes). Wider values stay below 2^31 elements there; larger operands get 64-bit
     offsets. The Mosaic GPU kernels address by TMA and have no such limit."""
     if wraps_triton_offsets(array):
-        nbytes = math.prod(array.shape)
+        nbytes = math.prod(array.shape) * jnp.dtype(array.dtype).itemsize
         raise ValueError(
             f"{what} {jnp.dtype(array.dtype).name}{list(array.shape)} fills {nbytes} bytes, "
             "within (2 GiB, 4 GiB], where Pallas' Triton lowering indexes 1-byte values with "

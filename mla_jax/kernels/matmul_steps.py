@@ -70,6 +70,16 @@ def float16_operands(
     return lhs, (jnp.pad(factors, (0, rows - factors.shape[0])),)
 
 
+def check_layer(layer, num_layers: int, prefix: str = "") -> None:
+    """ValueError (one line, after ``prefix``) unless ``layer``, the index into a stack of
+    ``num_layers`` weights, is an integer scalar in ``[0, num_layers)``; a traced one (a
+    scan's index) is not bounded here, and the kernels do not bound it either."""
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"{prefix}layer must be an integer scalar, got {layer!r}")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < num_layers:
+        raise ValueError(f"{prefix}layer {int(layer)} is not in [0, {num_layers})")
+
+
 def fit_block(block: int, dim: int) -> int:
     """``block`` shrunk to the largest power of two <= ``dim`` (at least 16), so that a block
     never outgrows its axis; an axis under 16 is zero-padded to 16 by the caller."""

@@ -375,17 +375,25 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
         return run(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
-    # The FP8 projections' matmul runs as it is. The reference (a dequantize and a dot) is
+
+    # The FP8 projections' matmul runs unwrapped. The reference (a dequantize and a dot) is
     # partitioned by XLA like any dot; the Pallas kernel is opaque to it, so under TP XLA
     # gathers each split FP8 projection and its scales whole onto every device and runs the
     # whole product there: correct, one projection's whole weight per device at a time, but
     # the weights cross the devices every step. Wrapping it needs each projection's split at
-    # the call (not done yet); experts (grouped matmul) and TP 1 layouts are unaffected.
+    # the call (not done yet); experts (grouped matmul) and TP 1 layouts are unaffected. A
+    # stacked weight is sliced to its layer first (the slice of a split stack stays split):
+    # the gather then moves one layer, not the run's every layer.
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+        if layer is not None:
+            weight, scale_inv = weight[layer], scale_inv[layer]
+        return kernel_set.fp8_matmul(x, weight, scale_inv, blocks=blocks)
+
     return kernels.KernelSet(
         mla_decode,
         flash_prefill,
         merge_attn_states,
         grouped_matmul,
-        kernel_set.fp8_matmul,
+        fp8_matmul,
         backend=kernel_set.backend,
     )

@@ -23,11 +23,15 @@ import json
 import os
 import signal
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import _BASE_SEED, TESTS, generate_script, run_on_fake_devices
 
+from mla_jax import kernels
 from mla_jax.engine.engine import EngineConfig
+from mla_jax.kernels import fp8_blocks
 from mla_jax.parallel import sharding
 
 DEVICES = 4
@@ -461,3 +465,28 @@ def test_bad_data_parallel_is_refused(flags, message, capsys):
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     with pytest.raises(ValueError, match="data_parallel must be positive, got 0"):
         EngineConfig(data_parallel=0)
+
+
+def test_tensor_parallel_fp8_matmul_takes_one_layer():
+    """Under TP the Pallas FP8 matmul is opaque to the partitioner, which gathers its split
+    weight whole onto every device: ``sharded_kernels`` hands it the layer sliced out of a
+    run's stack (the model keeps FP8 stacks whole), so that one layer crosses the devices,
+    not every layer of the run."""
+    given = []
+
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+        given.append((weight.shape, scale_inv.shape, layer))
+        return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
+
+    mesh = sharding.make_mesh(1)
+    wrapped = sharding.sharded_kernels(kernels.REFERENCE._replace(fp8_matmul=fp8_matmul), mesh)
+    blocks = fp8_blocks.Fp8Blocks(16, 16)
+    stack = jnp.ones((3, 32, 48), fp8_blocks.FP8)
+    scales = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3)
+    x = jnp.ones((2, 32), jnp.float32)
+    got = jax.jit(lambda layer: wrapped.fp8_matmul(x, stack, scales, blocks=blocks, layer=layer))(
+        jnp.int32(2)
+    )
+    assert given == [((32, 48), (2, 3), None)]
+    want = kernels.REFERENCE.fp8_matmul(x, stack[2], scales[2], blocks=blocks)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -99,10 +99,7 @@ def check(
         form = "[K, N]" if layer is None else "[L, K, N] (a stack, with layer)"
         raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} {form}")
     if layer is not None:
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
-        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < weight.shape[0]:
-            raise ValueError(f"layer {int(layer)} is not one of weight's {weight.shape[0]}")
+        matmul_steps.check_layer(layer, weight.shape[0])
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     if not isinstance(blocks, fp8_blocks.Fp8Blocks):
@@ -185,9 +182,10 @@ def fp8_matmul(
         stack of layers' weights ``[L, K, N]``.
       scale_inv: ``blocks.scale_shape(K, N)`` float32 block scales (HF's ``weight_scale_inv``
         transposed), ``[L, ...]`` for a stack. blocks: their block sizes (static).
-      layer: int32 scalar (may be traced): which of a stacked weight's layers to use. The
-        kernel reads it in place: a layer sliced out of a stack (as a scan over layers
-        would) is copied before a kernel can take it, every call.
+      layer: int32 scalar (may be traced, and then is not range-checked): which of a
+        stacked weight's layers to use. The kernel reads it in place: a layer sliced out
+        of a stack (as a scan over layers would) is copied before a kernel can take it,
+        every call.
       config: launch parameters (default: ``Fp8MatmulConfig.for_shape(M, K, N)``); blocks
         larger than an axis shrink to the power of two that fits it (at least 16).
       interpret: Pallas interpret mode (default: off on GPUs only).

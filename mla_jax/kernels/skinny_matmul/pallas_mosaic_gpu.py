@@ -124,10 +124,7 @@ def check(
             f"with one (weight {weight.shape}, layer {layer})"
         )
     if layer is not None:
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-            raise ValueError(f"skinny_matmul: layer must be an integer scalar, got {layer!r}")
-        if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < weight.shape[0]:
-            raise ValueError(f"skinny_matmul: layer {int(layer)} is not in [0, {weight.shape[0]})")
+        matmul_steps.check_layer(layer, weight.shape[0], "skinny_matmul: ")
     if blocks is not None:
         blocks.check(weight, scale_inv, "skinny_matmul: weight")
 
