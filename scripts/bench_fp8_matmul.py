@@ -149,7 +149,7 @@ def _moe_layer(cfg: MoEConfig, blocks: tuple[int, int] | None) -> MoE:
 
 def _stacked_twice(layer: MoE) -> MoE:
     """The layer's routed experts as a run of two layers' (``[2, E, ...]``, the layer's own
-    twice; called with ``layer=0``), as the model stacks them: V3's FP8 ``down_proj`` of one
+    twice; called with ``layer_in_run=0``), as the model stacks them: V3's FP8 ``down_proj`` of one
     layer fills 3.8 GB, where Pallas' Triton lowering cannot index 1-byte values
     (``fp8.check_triton_indexable``); a model's stack of layers is larger."""
     experts = layer.experts
@@ -172,7 +172,7 @@ def moe_rows(sizes: Sizes) -> list[dict]:
     for tokens in sizes.tokens:
         keys = jax.random.split(jax.random.key(tokens), 3)
         args = [(jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16),) for k in keys]
-        fp8_fn = _jitted(fp8, "pallas", layer=0)
+        fp8_fn = _jitted(fp8, "pallas", layer_in_run=0)
         r = _compare(_jitted(bf16, "pallas"), fp8_fn, args, error_fns)
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))

@@ -130,13 +130,13 @@ class MLAAttention(nnx.Module):
         c = self.cfg
         t = x.shape[0]
         if c.q_lora_rank is None:
-            q = self.q_proj(x, impl=kernel_set, layer=layer_in_run)
+            q = self.q_proj(x, impl=kernel_set, layer_in_run=layer_in_run)
         else:
-            q_c = self.q_a_layernorm(self.q_a_proj(x, impl=kernel_set, layer=layer_in_run))
-            q = self.q_b_proj(q_c, impl=kernel_set, layer=layer_in_run)
+            q_c = self.q_a_layernorm(self.q_a_proj(x, impl=kernel_set, layer_in_run=layer_in_run))
+            q = self.q_b_proj(q_c, impl=kernel_set, layer_in_run=layer_in_run)
         q = q.reshape(t, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        kv = self.kv_a_proj_with_mqa(x, impl=kernel_set, layer=layer_in_run)
+        kv = self.kv_a_proj_with_mqa(x, impl=kernel_set, layer_in_run=layer_in_run)
         kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         k_pe = kv[:, c.kv_lora_rank :]
 
@@ -169,7 +169,7 @@ class MLAAttention(nnx.Module):
             )
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         o = o.reshape(t, c.num_heads * c.v_head_dim).astype(x.dtype)
-        return self.o_proj(o, impl=kernel_set, layer=layer_in_run), cache
+        return self.o_proj(o, impl=kernel_set, layer_in_run=layer_in_run), cache
 
     def _decode(
         self,

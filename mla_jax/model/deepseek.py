@@ -92,9 +92,9 @@ class DecoderLayer(nnx.Module):
         h = self.post_attention_layernorm(x)
         moe = isinstance(self.mlp, MoE)
         if moe:
-            h = self.mlp(h, impl=impl, layer=layer_in_run, expert_axis=expert_axis)
+            h = self.mlp(h, impl=impl, layer_in_run=layer_in_run, expert_axis=expert_axis)
         else:
-            h = self.mlp(h, impl=impl, layer=layer_in_run)
+            h = self.mlp(h, impl=impl, layer_in_run=layer_in_run)
         return x + h, cache
 
 

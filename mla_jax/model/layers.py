@@ -111,11 +111,11 @@ class Linear(nnx.Module):
         x: jax.Array,
         *,
         impl: str | kernels.KernelSet = "auto",
-        layer: int | jax.Array | None = None,
+        layer_in_run: int | jax.Array | None = None,
     ) -> jax.Array:
         """``x [..., n_in]`` -> ``[..., n_out]`` in ``param_dtype``; ``impl``
         (``kernels.select``) picks the FP8 matmul. On a GPU a bf16 projection of few rows
-        and a narrow output runs split along K (``k_splits``). ``layer``: where the FP8
+        and a narrow output runs split along K (``k_splits``). ``layer_in_run``: where the FP8
         ``kernel`` holds a stack of layers' weights ``[L, n_in, n_out]`` (the model's scan
         keeps them whole, ``DeepseekModel``), which of them to use; the FP8 matmul reads
         it in place. A kernel of one layer is that layer's already."""
@@ -138,7 +138,7 @@ class Linear(nnx.Module):
             kernel,
             self.kernel_scale_inv[...],
             blocks=self.blocks,
-            layer=layer if kernel.ndim == 3 else None,
+            layer=layer_in_run if kernel.ndim == 3 else None,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -177,9 +177,9 @@ class MLP(nnx.Module):
         x: jax.Array,
         *,
         impl: str | kernels.KernelSet = "auto",
-        layer: int | jax.Array | None = None,
+        layer_in_run: int | jax.Array | None = None,
     ) -> jax.Array:
-        """``x [T, H]`` -> ``[T, H]``; ``layer``: see ``Linear.__call__``."""
-        gate = self.gate_proj(x, impl=impl, layer=layer)
-        hidden = jax.nn.silu(gate) * self.up_proj(x, impl=impl, layer=layer)
-        return self.down_proj(hidden, impl=impl, layer=layer)
+        """``x [T, H]`` -> ``[T, H]``; ``layer_in_run``: see ``Linear.__call__``."""
+        gate = self.gate_proj(x, impl=impl, layer_in_run=layer_in_run)
+        hidden = jax.nn.silu(gate) * self.up_proj(x, impl=impl, layer_in_run=layer_in_run)
+        return self.down_proj(hidden, impl=impl, layer_in_run=layer_in_run)

@@ -247,14 +247,14 @@ class MoE(nnx.Module):
         x: jax.Array,
         *,
         impl: str | kernels.KernelSet = "auto",
-        layer: int | jax.Array | None = None,
+        layer_in_run: int | jax.Array | None = None,
         expert_axis: str | None = None,
     ) -> jax.Array:
         """``x [T, H]`` -> ``[T, H]`` in x's dtype. ``impl`` picks the grouped matmul
-        (``kernels.select``: "auto", "pallas" or "reference"). ``layer``: when this module
-        holds a whole run's experts (``[L, E, ...]``, as the model's scan passes them; the
-        router is this layer's own, and so are the shared experts unless their FP8
-        weights are stacked too: ``Linear.__call__``), which of them to use.
+        (``kernels.select``: "auto", "pallas" or "reference"). ``layer_in_run``: when this
+        module holds a whole run's experts (``[L, E, ...]``, as the model's scan passes
+        them; the router is this layer's own, and so are the shared experts unless their
+        FP8 weights are stacked too: ``Linear.__call__``), which of them to use.
         ``expert_axis``: a mesh axis, manual in the caller's ``shard_map``, over which the
         routed experts are split (each rank holds its range of them): the ranks' tokens go
         to every rank's experts and come back (``expert_parallel.dispatch_and_combine``);
@@ -268,7 +268,7 @@ class MoE(nnx.Module):
             routed_experts,
             gate_up_proj=self.experts.gate_up_proj[...],
             down_proj=self.experts.down_proj[...],
-            layer=layer,
+            layer=layer_in_run,
             grouped_matmul=kernel_set.grouped_matmul,
             scales=self.experts.scales(),
             fp8_blocks=self.experts.fp8_blocks,
@@ -285,7 +285,9 @@ class MoE(nnx.Module):
                 axis_name=expert_axis,
                 num_local_experts=self.experts.down_proj.shape[-3],
             )
-        shared = self.shared_experts(x.astype(self.dtype), impl=kernel_set, layer=layer)
+        shared = self.shared_experts(
+            x.astype(self.dtype), impl=kernel_set, layer_in_run=layer_in_run
+        )
         return (routed + shared.astype(jnp.float32)).astype(x.dtype)
 
 
