@@ -80,6 +80,24 @@ def check_layer(layer, num_layers: int, prefix: str = "") -> None:
         raise ValueError(f"{prefix}layer {int(layer)} is not in [0, {num_layers})")
 
 
+def layer_of(weight: jax.Array, scale_inv: jax.Array | None, layer):
+    """``layer`` of a stacked weight and of its scales (a slice: XLA copies it before an
+    opaque kernel can take it); both as given where ``layer`` is None."""
+    if layer is None:
+        return weight, scale_inv
+    return weight[layer], None if scale_inv is None else scale_inv[layer]
+
+
+def as_stack(weight: jax.Array, scale_inv: jax.Array | None, layer):
+    """``(weight [L, K, N], scale_inv [L, ...] or None, layer int32 [1])`` as a kernel that
+    reads a stack's layer in place takes them: a weight of one layer as a stack of one (free
+    reshapes) at layer 0."""
+    if layer is None:
+        weight, layer = weight[None], 0
+        scale_inv = None if scale_inv is None else scale_inv[None]
+    return weight, scale_inv, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def fit_block(block: int, dim: int) -> int:
     """``block`` shrunk to the largest power of two <= ``dim`` (at least 16), so that a block
     never outgrows its axis; an axis under 16 is zero-padded to 16 by the caller."""

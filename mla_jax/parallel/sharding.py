@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import kernels
+from mla_jax.kernels import matmul_steps
 from mla_jax.model.config import ModelConfig
 
 TENSOR_AXIS = "tp"
@@ -385,8 +386,7 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     # stacked weight is sliced to its layer first (the slice of a split stack stays split):
     # the gather then moves one layer, not the run's every layer.
     def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-        if layer is not None:
-            weight, scale_inv = weight[layer], scale_inv[layer]
+        weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
         return kernel_set.fp8_matmul(x, weight, scale_inv, blocks=blocks)
 
     return kernels.KernelSet(

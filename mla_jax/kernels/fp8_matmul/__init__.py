@@ -10,7 +10,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from .. import fp8, fp8_blocks, mosaic_gpu, online_softmax
+from .. import fp8, fp8_blocks, matmul_steps, mosaic_gpu, online_softmax
 from . import reference
 from .pallas_triton import Fp8MatmulConfig, fp8_matmul
 
@@ -55,7 +55,8 @@ def fastest(
             f"{list(weight.shape)} fills (2 GiB, 4 GiB], which the Triton lowering indexes "
             "with wrapping 32-bit offsets: its layer is copied out for the kernel each call",
         )
-        weight, scale_inv, layer = weight[layer], scale_inv[layer], None
+        weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
+        layer = None
     return fp8_matmul(
         x, weight, scale_inv, blocks=blocks, layer=layer, config=config, interpret=interpret
     )

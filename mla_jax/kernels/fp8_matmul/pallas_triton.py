@@ -199,9 +199,7 @@ def fp8_matmul(
     if not interpret:
         fp8.check_triton_indexable(weight, "weight")
     config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape[-2:])
-    if layer is None:  # one layer: a stack of one (free reshapes)
-        weight, scale_inv, layer = weight[None], scale_inv[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     return _fp8_matmul(
         x, weight, scale_inv, layer, blocks=blocks, config=config, interpret=interpret
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import fp8_blocks
+from .. import fp8_blocks, matmul_steps
 from .pallas_triton import check
 
 
@@ -35,7 +35,7 @@ def fp8_matmul(
     """
     del config, interpret
     check(x, weight, scale_inv, blocks, layer)
-    weight, scale_inv = _layer_of(weight, scale_inv, layer)
+    weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
     dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     out = jnp.dot(x, dense, precision=precision, preferred_element_type=jnp.float32)
@@ -57,14 +57,7 @@ def dequantized_dot(
     XLA fuses no block-scale prologue into its GEMMs: the temporary exists either way, and
     it is freed after the dot."""
     check(x, weight, scale_inv, blocks, layer)
-    weight, scale_inv = _layer_of(weight, scale_inv, layer)
+    weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
     dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, dense, precision=precision)
-
-
-def _layer_of(weight: jax.Array, scale_inv: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
-    """The weight and scales of ``layer`` of stacks (themselves where ``layer`` is None)."""
-    if layer is None:
-        return weight, scale_inv
-    return weight[layer], scale_inv[layer]

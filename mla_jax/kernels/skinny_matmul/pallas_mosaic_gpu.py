@@ -322,17 +322,12 @@ def skinny_matmul(
     plan = launch(m, k, n, config, device_num_sms(), blocks)
     rows = padded_rows(m)
     padded = jnp.pad(x, ((0, rows - m), (0, 0)))
-    if layer is None:  # one layer: a stack of one (free reshapes)
-        weight, layer = weight[None], 0
-        scale_inv = None if scale_inv is None else scale_inv[None]
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    operands = (layer, padded, weight)
+    weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     if blocks is None:
         out_dtype = x.dtype if plan.splits == 1 else jnp.float32
         scratch = dict(out_smem=plgpu.SMEM((plan.block_n, rows), out_dtype))
     else:
         padded, row_factors = matmul_steps.float16_rows(padded)
-        operands = (layer, padded, weight, scale_inv)
         out_dtype = jnp.float32
         tile = plgpu.SMEM(
             (plan.block_k, plan.block_n), jnp.float16, transforms=_swizzled(CONVERT_COLUMNS)
@@ -355,6 +350,7 @@ def skinny_matmul(
         thread_name="wg",
         **mosaic_gpu.kernel_options(config, interpret, num_warpgroups),
     )
+    operands = (layer, padded, weight) + (() if scale_inv is None else (scale_inv,))
     transposed = jax.named_call(kernel, name="skinny_matmul")(*operands)
     transposed = transposed.sum(axis=0) if plan.splits > 1 else transposed[0]
     if blocks is not None:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import fp8_blocks as _fp8_blocks
+from .. import matmul_steps
 from .pallas_mosaic_gpu import check
 
 
@@ -36,9 +37,7 @@ def skinny_matmul(
     """
     del config, interpret
     check(x, weight, layer, scale_inv, blocks)
-    if layer is not None:
-        weight = weight[layer]
-        scale_inv = None if scale_inv is None else scale_inv[layer]
+    weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
     if blocks is not None:
         weight = _fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
     return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
