@@ -106,14 +106,12 @@ def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
     return module
 
 
-def _dequantized_dot(x, weight, scale_inv, *, blocks, layer=None, config=None, interpret=None):
-    return fm.reference.dequantized_dot(x, weight, scale_inv, blocks=blocks, layer=layer)
-
-
 # The projections' alternatives: the GPU set with one FP8 path forced.
 ALTERNATIVES = {
-    "pallas": kernels.TRITON._replace(fp8_matmul=fm.fp8_matmul),
-    "dequant+cuBLAS": kernels.TRITON._replace(fp8_matmul=_dequantized_dot),
+    "pallas": kernels.TRITON._replace(fp8_matmul=kernels.on_whole_weights(fm.fp8_matmul)),
+    "dequant+cuBLAS": kernels.TRITON._replace(
+        fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
+    ),
 }
 
 

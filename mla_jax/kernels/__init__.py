@@ -27,8 +27,9 @@ class KernelSet(NamedTuple):
     (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
     ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
     ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
-    causal, schedule, FP8 weights' scales, blocks and the layer of a stacked weight).
-    ``backend`` names the set
+    causal, schedule, FP8 weights' scales, blocks and the layer of a stacked weight); the FP8
+    matmul also takes ``tensor_split``, how tensor parallelism splits its weight
+    (``on_whole_weights``). ``backend`` names the set
     (``"reference"``, ``"triton"`` or ``"mosaic_gpu"``): the host plans the Pallas kernels'
     schedules for it (``KernelPlan``)."""
 
@@ -40,12 +41,25 @@ class KernelSet(NamedTuple):
     backend: str = "triton"
 
 
+def on_whole_weights(matmul: Callable) -> Callable:
+    """An FP8 matmul (``fp8_matmul.fp8_matmul``'s signature) as a kernel set calls it: with
+    ``tensor_split`` (``layers.Linear.tensor_split``: None, ``"columns"`` or ``"rows"``),
+    which a set whose kernels run split over devices acts on
+    (``mla_jax.parallel.sharding.sharded_kernels``); here one device holds the whole weight."""
+
+    def on_one_device(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
+        del tensor_split  # the weight is whole here
+        return matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
+
+    return on_one_device
+
+
 REFERENCE = KernelSet(
     decode.reference.mla_decode,
     prefill.reference.flash_prefill,
     merge.reference.merge_attn_states,
     grouped_matmul.reference.grouped_matmul,
-    fp8_matmul.reference.fp8_matmul,
+    on_whole_weights(fp8_matmul.reference.fp8_matmul),
     backend="reference",
 )
 # The portable Pallas kernels: Triton lowering on any CUDA GPU and every jax in the range,
@@ -55,7 +69,7 @@ TRITON = KernelSet(
     prefill.flash_prefill,
     merge.merge_attn_states,
     grouped_matmul.grouped_matmul,
-    fp8_matmul.fastest,
+    on_whole_weights(fp8_matmul.fastest),
     backend="triton",
 )
 

@@ -28,7 +28,7 @@ from mla_jax.kernels.fp8 import Fp8Cache
 from mla_jax.kernels.paged import gather_rows
 from mla_jax.model.checks import check_hidden, check_packed, check_step
 from mla_jax.model.config import MLAConfig
-from mla_jax.model.layers import RMSNorm, linear, matmul_precision
+from mla_jax.model.layers import COLUMNS, ROWS, RMSNorm, linear, matmul_precision
 from mla_jax.model.rope import apply_rope, rope_cos_sin
 
 
@@ -54,17 +54,21 @@ class MLAAttention(nnx.Module):
         self.cfg = cfg
         n, qk, dt, fp8 = cfg.num_heads, cfg.qk_head_dim, param_dtype, fp8_blocks
         if cfg.q_lora_rank is None:
-            self.q_proj = linear(cfg.hidden_size, n * qk, dt, rngs, fp8)
+            self.q_proj = linear(cfg.hidden_size, n * qk, dt, rngs, fp8, COLUMNS)
         else:
             self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dt, rngs, fp8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
-            self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs, fp8)
+            self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs, fp8, COLUMNS)
         self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs, fp8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
         self.kv_b_proj = linear(
-            cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), dt, rngs
+            cfg.kv_lora_rank,
+            n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            dt,
+            rngs,
+            tensor_split=COLUMNS,
         )
-        self.o_proj = linear(n * cfg.v_head_dim, cfg.hidden_size, dt, rngs, fp8)
+        self.o_proj = linear(n * cfg.v_head_dim, cfg.hidden_size, dt, rngs, fp8, ROWS)
 
     @property
     def W_UK(self) -> jax.Array:

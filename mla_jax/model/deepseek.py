@@ -21,7 +21,7 @@ from mla_jax.cache.metadata import AttentionMetadata
 from mla_jax.kernels.fp8 import FP8, Fp8Cache
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import ModelConfig
-from mla_jax.model.layers import MLP, RMSNorm, linear, matmul_precision
+from mla_jax.model.layers import COLUMNS, MLP, RMSNorm, linear, matmul_precision
 from mla_jax.model.moe import MoE
 
 # What a scan over a run of layers passes whole, each layer's kernels indexing it in place
@@ -155,7 +155,7 @@ class DeepseekModel(nnx.Module):
         )
         self.norm = RMSNorm(h, cfg.mla.rms_norm_eps, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = linear(h, cfg.vocab_size, param_dtype, rngs)
+            self.lm_head = linear(h, cfg.vocab_size, param_dtype, rngs, tensor_split=COLUMNS)
 
     def __call__(
         self,

@@ -11,6 +11,13 @@ from flax import nnx
 from mla_jax import kernels
 from mla_jax.kernels.fp8_blocks import FP8, Fp8Blocks
 
+# How tensor parallelism splits a projection's kernel ``[n_in, n_out]`` (``Linear.tensor_split``;
+# ``mla_jax.parallel.sharding``'s rules place the parameters so): by output columns (each rank
+# computes its columns of the output) or by input rows (each rank a partial product, summed
+# across ranks); ``None``: every rank holds it whole.
+COLUMNS = "columns"
+ROWS = "rows"
+
 
 class RMSNorm(nnx.Module):
     """``weight * (x / rms(x))``, normalised in float32 and cast back before the weight."""
@@ -85,7 +92,9 @@ class Linear(nnx.Module):
     ``fp8_blocks = (bo, bi)`` (a checkpoint's ``weight_block_size``), ``kernel`` in
     float8_e4m3fn and ``kernel_scale_inv [cdiv(n_in, bi), cdiv(n_out, bo)]`` float32, HF's
     ``weight`` and ``weight_scale_inv`` transposed, multiplied by the kernel set's
-    ``fp8_matmul`` (dequantized tile by tile on a GPU)."""
+    ``fp8_matmul`` (dequantized tile by tile on a GPU). ``tensor_split`` (``COLUMNS``,
+    ``ROWS`` or None) says how tensor parallelism splits the kernel, for the FP8 matmul, which
+    the partitioner cannot split itself (``sharding.sharded_kernels``)."""
 
     def __init__(
         self,
@@ -94,8 +103,12 @@ class Linear(nnx.Module):
         param_dtype,
         rngs: nnx.Rngs,
         fp8_blocks: tuple[int, int] | None = None,
+        tensor_split: str | None = None,
     ):
+        if tensor_split not in (None, COLUMNS, ROWS):
+            raise ValueError(f"tensor_split {tensor_split!r} (None, {COLUMNS!r} or {ROWS!r})")
         self.dtype = param_dtype
+        self.tensor_split = tensor_split
         self.blocks = None if fp8_blocks is None else Fp8Blocks(*fp8_blocks)
         init = nnx.initializers.lecun_normal()
         if self.blocks is None:
@@ -139,6 +152,7 @@ class Linear(nnx.Module):
             self.kernel_scale_inv[...],
             blocks=self.blocks,
             layer=layer_in_run if kernel.ndim == 3 else None,
+            tensor_split=self.tensor_split,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -149,9 +163,10 @@ def linear(
     param_dtype,
     rngs: nnx.Rngs,
     fp8_blocks: tuple[int, int] | None = None,
+    tensor_split: str | None = None,
 ) -> Linear:
     """Bias-free ``[n_in, n_out]`` projection computing in ``param_dtype`` (``Linear``)."""
-    return Linear(n_in, n_out, param_dtype, rngs, fp8_blocks)
+    return Linear(n_in, n_out, param_dtype, rngs, fp8_blocks, tensor_split)
 
 
 class MLP(nnx.Module):
@@ -168,9 +183,9 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
         fp8_blocks: tuple[int, int] | None = None,
     ):
-        self.gate_proj = linear(hidden, intermediate, param_dtype, rngs, fp8_blocks)
-        self.up_proj = linear(hidden, intermediate, param_dtype, rngs, fp8_blocks)
-        self.down_proj = linear(intermediate, hidden, param_dtype, rngs, fp8_blocks)
+        self.gate_proj = linear(hidden, intermediate, param_dtype, rngs, fp8_blocks, COLUMNS)
+        self.up_proj = linear(hidden, intermediate, param_dtype, rngs, fp8_blocks, COLUMNS)
+        self.down_proj = linear(intermediate, hidden, param_dtype, rngs, fp8_blocks, ROWS)
 
     def __call__(
         self,

@@ -20,8 +20,11 @@ rest of the step:
 The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps each in a
 ``shard_map``: the decode, prefill and merge kernels run on each rank over its heads (the
 cache, block tables and schedules replicated), the grouped matmul on each rank over its
-experts. Nothing here writes a collective: the only ones are those XLA inserts for the
-shardings above (all-reduces of partial sums, and the gathers of each rank's best logit).
+experts, the FP8 projections' matmul on each rank's columns or rows of its weight (as the
+``Linear`` declares its ``tensor_split``, which ``test_linear_splits_match_the_rules``
+holds to the rules below). Nothing here writes a collective: the only ones are those XLA
+inserts for the shardings above (all-reduces of partial sums, and the gathers of each rank's
+best logit).
 
 Data parallelism (attention): a ``("dp", "tp")`` mesh of M x N devices. Each DP rank runs
 its own requests over its own part of the cache (the cache split on its block axis, block
@@ -54,7 +57,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import kernels
-from mla_jax.kernels import matmul_steps
 from mla_jax.model.config import ModelConfig
 
 TENSOR_AXIS = "tp"
@@ -347,10 +349,61 @@ def _by_experts(grouped_matmul, mesh: Mesh):
     return by_experts
 
 
+def _by_weight_split(fp8_matmul, mesh: Mesh):
+    """A kernel set's ``fp8_matmul(x [M, K], weight [K, N] or a stack [L, K, N], scale_inv,
+    *, blocks, layer, tensor_split)`` run on each rank's part of a weight split as
+    ``tensor_split`` says (``layers.Linear``; the rules above place it so), under
+    ``shard_map``: the Pallas kernel is opaque to the partitioner, which would otherwise
+    gather the split weight whole onto every device at every call.
+
+    - ``"columns"``: ``x`` whole on every rank, the weight and its scales split on N: each
+      rank computes its columns of the output, which stays split;
+    - ``"rows"``: ``x``'s columns and the weight's rows (and scales) split: each rank's
+      partial product, summed across the ranks (by XLA, as it sums a split dot's);
+    - None: the weight whole on every rank: the kernel as it is.
+
+    A stack stays whole along its layers, each rank reading its part of ``layer`` in place."""
+
+    def split_matmul(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
+        if tensor_split is None:
+            return fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
+        lead = (None,) * (weight.ndim - 2)
+        if tensor_split == "columns":
+            rows, weights, out = P(), P(*lead, None, TENSOR_AXIS), P(None, TENSOR_AXIS)
+        elif tensor_split == "rows":
+            rows, weights, out = P(None, TENSOR_AXIS), P(*lead, TENSOR_AXIS, None), P(TENSOR_AXIS)
+        else:
+            raise ValueError(f"tensor_split {tensor_split!r} (None, 'columns' or 'rows')")
+        # A layer known at trace time stays a Python int (the kernel checks its range).
+        operands = [] if layer is None or isinstance(layer, int) else [layer]
+
+        def local(x, weight, scale_inv, *traced_layer):
+            product = fp8_matmul(
+                x,
+                weight,
+                scale_inv,
+                blocks=blocks,
+                layer=traced_layer[0] if traced_layer else layer,
+            )
+            return product if tensor_split == "columns" else product[None]
+
+        product = jax.shard_map(
+            local,
+            mesh=_heads_mesh(mesh),
+            in_specs=(rows, weights, weights, *(P(),) * len(operands)),
+            out_specs=out,
+            axis_names={TENSOR_AXIS},
+            check_vma=False,  # Pallas calls carry no replication information
+        )(x, weight, scale_inv, *operands)
+        return product if tensor_split == "columns" else product.sum(axis=0)
+
+    return split_matmul
+
+
 def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.KernelSet:
     """``kernel_set`` with each kernel run under ``shard_map`` on ``mesh``: attention
-    kernels per rank on its heads, the grouped matmul per rank on its experts. Same
-    signatures."""
+    kernels per rank on its heads, the grouped matmul per rank on its experts, the FP8
+    matmul on a rank's part of its weight. Same signatures."""
 
     def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None):
         def local(q_lat, q_pe, cache, block_table, seq_lens, schedule):
@@ -377,17 +430,7 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
 
     grouped_matmul = _by_experts(kernel_set.grouped_matmul, mesh)
 
-    # The FP8 projections' matmul runs unwrapped. The reference (a dequantize and a dot) is
-    # partitioned by XLA like any dot; the Pallas kernel is opaque to it, so under TP XLA
-    # gathers each split FP8 projection and its scales whole onto every device and runs the
-    # whole product there: correct, one projection's whole weight per device at a time, but
-    # the weights cross the devices every step. Wrapping it needs each projection's split at
-    # the call (not done yet); experts (grouped matmul) and TP 1 layouts are unaffected. A
-    # stacked weight is sliced to its layer first (the slice of a split stack stays split):
-    # the gather then moves one layer, not the run's every layer.
-    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-        weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
-        return kernel_set.fp8_matmul(x, weight, scale_inv, blocks=blocks)
+    fp8_matmul = _by_weight_split(kernel_set.fp8_matmul, mesh)
 
     return kernels.KernelSet(
         mla_decode,

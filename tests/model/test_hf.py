@@ -173,13 +173,16 @@ def _prefill(cfg, model, prompt: list[int], impl):
 def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
     """The scans over the runs of layers pass the FP8 projections' stacked weights whole:
     every ``fp8_matmul`` call gets a run's ``[L, K, N]`` stack and its layer's index (a
-    layer sliced out would be copied before the GPU kernel could read it, every step)."""
+    layer sliced out would be copied before the GPU kernel could read it, every step), and
+    its projection's ``tensor_split`` (``test_linear_splits_match_the_rules`` checks each
+    against the placement rules)."""
     _, path, _ = fp8_checkpoint
     cfg, model = load_model(path, fp8_weights="keep")
-    calls = []
+    calls, splits = [], []
 
-    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
         calls.append((weight.shape[0], layer is not None))
+        splits.append(tensor_split)
         return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
 
     _prefill(
@@ -191,6 +194,7 @@ def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
     runs = [count for _, count, _ in cfg.layer_runs()]
     assert max(runs) > 1 and {layers for layers, _ in calls} == set(runs)
     assert all(with_layer for _, with_layer in calls)
+    assert set(splits) == {None, "columns", "rows"}
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

@@ -235,6 +235,59 @@ def _kernel_errors(tensor_parallel: int, seed: int) -> dict[str, float]:
     return errors
 
 
+def _fp8_splits(tensor_parallel: int, seed: int) -> dict[str, dict]:
+    """The FP8 matmul (the Pallas kernel, interpreted) under ``sharding.sharded_kernels`` on a
+    stack of 3 layers' weights placed split by columns or by rows as the rules place them,
+    compiled with a traced layer: each split's relative error against float64 NumPy and the
+    compiled program's collectives; ``unsplit``: the same columns-split stack handed over as
+    if it were whole (``tensor_split=None``), what the partitioner does around the opaque
+    kernel then."""
+    from mla_jax.kernels.fp8_blocks import FP8, Fp8Blocks
+    from mla_jax.model.layers import COLUMNS, ROWS
+
+    mesh = sharding.make_mesh(tensor_parallel)
+    pallas = sharding.sharded_kernels(kernels.select("pallas"), mesh)
+    rng = np.random.default_rng(seed)
+    blocks, rows, layer = Fp8Blocks(16, 16), 5, 1
+    results = {}
+    for name, split in ((COLUMNS, COLUMNS), (ROWS, ROWS), ("unsplit", None)):
+        # The split axis in whole blocks on every rank, the other with a partial edge block.
+        depth, width = (40, 32 * tensor_parallel) if name != ROWS else (32 * tensor_parallel, 40)
+        weight = rng.standard_normal((3, depth, width)).astype(FP8)
+        scales = 2.0 ** rng.integers(-3, 3, (3, -(-depth // 16), -(-width // 16)))
+        weight[[0, 2]], scales[[0, 2]] = np.nan, np.nan  # the other layers: never read
+        x = rng.standard_normal((rows, depth)).astype(np.float32)
+        spec = sharding.partition_spec(
+            ["mlp", "down_proj" if split == ROWS else "gate_proj", "kernel"], 3
+        )
+        placed = jax.sharding.NamedSharding(mesh, spec)
+        operands = (
+            jax.device_put(x, sharding.replicated(mesh)),
+            jax.device_put(jnp.asarray(weight), placed),
+            jax.device_put(jnp.asarray(scales, jnp.float32), placed),
+            jnp.int32(layer),
+        )
+
+        def call(x, weight, scales, layer, split=split):
+            return pallas.fp8_matmul(
+                x, weight, scales, blocks=blocks, layer=layer, tensor_split=split
+            )
+
+        compiled = jax.jit(call).lower(*operands).compile()
+        got = np.asarray(compiled(*operands), np.float64)
+        dequantized = (
+            weight[layer].astype(np.float64)
+            * np.repeat(np.repeat(scales[layer], 16, axis=0), 16, axis=1)[:depth, :width]
+        )
+        want = x.astype(np.float64) @ dequantized
+        results[name] = {
+            "error": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+            "collectives": [[op, shape] for op, shape, _ in _collectives([compiled])],
+            "shape": [rows, width],
+        }
+    return results
+
+
 def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -260,6 +313,7 @@ def main(job_path: str, result_path: str) -> None:
         tokens[key] = [output["generated_ids"] for output in result["outputs"]]
     inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
     errors = _kernel_errors(job["inspect_tp"], job["seed"])
+    fp8_splits = _fp8_splits(job["inspect_tp"], job["seed"])
     dp_tensor_parallel = ["--dp", str(job["dp_inspect"][0]), "--tp", str(job["dp_inspect"][1])]
     data_parallel = _run_data_parallel(
         job["checkpoints"][job["inspect"]],
@@ -288,7 +342,13 @@ def main(job_path: str, result_path: str) -> None:
         )
     with open(result_path, "w") as f:
         json.dump(
-            {"devices": jax.device_count(), "tokens": tokens, "kernel_errors": errors, **inspected},
+            {
+                "devices": jax.device_count(),
+                "tokens": tokens,
+                "kernel_errors": errors,
+                "fp8_splits": fp8_splits,
+                **inspected,
+            },
             f,
         )
 

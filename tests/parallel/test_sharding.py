@@ -467,26 +467,91 @@ def test_bad_data_parallel_is_refused(flags, message, capsys):
         EngineConfig(data_parallel=0)
 
 
-def test_tensor_parallel_fp8_matmul_takes_one_layer():
-    """Under TP the Pallas FP8 matmul is opaque to the partitioner, which gathers its split
-    weight whole onto every device: ``sharded_kernels`` hands it the layer sliced out of a
-    run's stack (the model keeps FP8 stacks whole), so that one layer crosses the devices,
-    not every layer of the run."""
+def test_fp8_matmul_split_by_columns_or_rows_moves_no_weight(multi_device):
+    """The Pallas FP8 matmul (opaque to the partitioner) on a stack of weights split by
+    columns or by rows over 4 devices, its layer traced: float32 against float64 NumPy
+    (observed ~1e-7), the other layers' weights and scales NaN; the compiled program moves
+    no weight: by columns no collective, by rows the output's partial sums alone. Handed
+    over as if whole, the partitioner gathers the stack onto every device (what the wrapper
+    prevents, and what this test would see)."""
+    result, _ = multi_device
+    splits = result["fp8_splits"]
+    for name in ("columns", "rows", "unsplit"):
+        assert splits[name]["error"] < 1e-6, name
+    assert splits["columns"]["collectives"] == []
+    rows, width = splits["rows"]["shape"]
+    assert splits["rows"]["collectives"] == [["all-reduce", f"f32[{rows},{width}]"]]
+    assert any(op == "all-gather" for op, _ in splits["unsplit"]["collectives"])
+
+
+@pytest.mark.parametrize("q_lora_rank", [1536, None])
+def test_linear_splits_match_the_rules(q_lora_rank):
+    """Each projection's ``tensor_split`` (how ``sharded_kernels`` splits its FP8 matmul) is
+    the split the placement rules give its kernel and its FP8 scales, on DeepSeek-V3's
+    config.json with FP8 weights (and without q LoRA: ``q_proj``)."""
+    from flax import nnx
+
+    from mla_jax.checkpoint.hf_config import config_from_dict
+    from mla_jax.model import layers
+    from mla_jax.model.deepseek import DeepseekModel
+
+    with open(os.path.join(TESTS, "data", "deepseek-v3", "config.json")) as f:
+        cfg = config_from_dict({**json.load(f), "q_lora_rank": q_lora_rank})
+    model = nnx.eval_shape(
+        lambda: DeepseekModel(
+            cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=(128, 128)
+        )
+    )
+    split_axes = {None: (), layers.COLUMNS: (None, "tp"), layers.ROWS: ("tp", None)}
+    seen = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, layers.Linear):
+            continue
+        names = ("kernel", "kernel_scale_inv") if node.blocks is not None else ("kernel",)
+        for name in names:
+            ndim = getattr(node, name).ndim
+            spec = tuple(sharding.partition_spec([*map(str, path), name], ndim))
+            axes = split_axes[node.tensor_split]
+            want = (None,) * (ndim - len(axes)) + axes if axes else ()
+            assert spec == want, (path, name)
+        seen[str(path[-1])] = node.tensor_split
+    projections = {"q_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}
+    projections |= {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head"}
+    assert projections | {"gate_proj", "up_proj", "down_proj"} == set(seen)
+    assert {None, layers.COLUMNS, layers.ROWS} == set(seen.values())
+
+
+def test_fp8_matmul_wrapper_hands_each_split_its_stack_in_place():
+    """``sharded_kernels``' FP8 matmul gives the kernel the run's stack in place with its
+    layer, traced or a Python int (checked by the kernel), whatever the split (1 device:
+    each rank's part is the whole stack); an unknown split is refused in one line."""
     given = []
 
-    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-        given.append((weight.shape, scale_inv.shape, layer))
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
+        given.append((weight.shape, scale_inv.shape, isinstance(layer, int), tensor_split))
         return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
 
     mesh = sharding.make_mesh(1)
     wrapped = sharding.sharded_kernels(kernels.REFERENCE._replace(fp8_matmul=fp8_matmul), mesh)
     blocks = fp8_blocks.Fp8Blocks(16, 16)
-    stack = jnp.ones((3, 32, 48), fp8_blocks.FP8)
-    scales = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3)
-    x = jnp.ones((2, 32), jnp.float32)
-    got = jax.jit(lambda layer: wrapped.fp8_matmul(x, stack, scales, blocks=blocks, layer=layer))(
-        jnp.int32(2)
-    )
-    assert given == [((32, 48), (2, 3), None)]
+    rng = np.random.default_rng([_BASE_SEED, 47])
+    stack = jnp.asarray(rng.standard_normal((3, 32, 48)), fp8_blocks.FP8)
+    scales = jnp.asarray(2.0 ** rng.integers(-2, 3, (3, 2, 3)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 32)), jnp.float32)
     want = kernels.REFERENCE.fp8_matmul(x, stack[2], scales[2], blocks=blocks)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for split in (None, "columns", "rows"):
+        given.clear()
+
+        def call(layer, split=split):
+            return wrapped.fp8_matmul(
+                x, stack, scales, blocks=blocks, layer=layer, tensor_split=split
+            )
+
+        np.testing.assert_allclose(jax.jit(call)(jnp.int32(2)), want, rtol=1e-6)
+        np.testing.assert_allclose(call(2), want, rtol=1e-6)
+        assert given == [
+            ((3, 32, 48), (3, 2, 3), False, None),
+            ((3, 32, 48), (3, 2, 3), True, None),
+        ]
+    with pytest.raises(ValueError, match="tensor_split 'heads' \\(None, 'columns' or 'rows'\\)"):
+        wrapped.fp8_matmul(x, stack, scales, blocks=blocks, layer=2, tensor_split="heads")
