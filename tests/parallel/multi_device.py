@@ -288,6 +288,32 @@ def _fp8_splits(tensor_parallel: int, seed: int) -> dict[str, dict]:
     return results
 
 
+def _fp8_step_collectives(tensor_parallel: int) -> list[list]:
+    """The collectives of a compiled decode step of the built-in tiny model with FP8
+    weights kept (128 x 128 blocks, random) at ``tensor_parallel``, its FP8 matmul the
+    Pallas kernel (interpreted; the other kernels the references)."""
+    from mla_jax.checkpoint.tiny import TINY
+    from mla_jax.model.deepseek import DeepseekModel
+
+    model = DeepseekModel(TINY, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=(128, 128))
+    impl = kernels.REFERENCE._replace(fp8_matmul=kernels.TRITON.fp8_matmul)
+    engine = Engine(
+        model,
+        EngineConfig(
+            block_size=16,
+            num_blocks=16,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            workspace_size=64,
+            impl=impl,
+            tensor_parallel=tensor_parallel,
+        ),
+        log=lambda _: None,
+    )
+    engine.precompile([[(5, 1)] * 2])
+    return [[op, shape] for op, shape, _ in _collectives(engine.runner.programs.values())]
+
+
 def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
@@ -314,6 +340,7 @@ def main(job_path: str, result_path: str) -> None:
     inspected = _inspect(job["checkpoints"][job["inspect"]], job["inspect_tp"])
     errors = _kernel_errors(job["inspect_tp"], job["seed"])
     fp8_splits = _fp8_splits(job["inspect_tp"], job["seed"])
+    fp8_splits["step_collectives"] = _fp8_step_collectives(job["inspect_tp"])
     dp_tensor_parallel = ["--dp", str(job["dp_inspect"][0]), "--tp", str(job["dp_inspect"][1])]
     data_parallel = _run_data_parallel(
         job["checkpoints"][job["inspect"]],

@@ -484,6 +484,18 @@ def test_fp8_matmul_split_by_columns_or_rows_moves_no_weight(multi_device):
     assert any(op == "all-gather" for op, _ in splits["unsplit"]["collectives"])
 
 
+def test_fp8_weights_kept_move_no_weight_in_a_step(multi_device):
+    """A compiled decode step of the tiny model with FP8 weights kept and the Pallas FP8
+    matmul at TP 4 runs the activation collectives alone: all-reduces of ``[rows, hidden]``
+    (o_proj, down_proj, the embedding lookup) and the gathers of each rank's best logit."""
+    result, _ = multi_device
+    from mla_jax.checkpoint.tiny import TINY
+
+    collectives = result["fp8_splits"]["step_collectives"]
+    ops = {(op, shape.split("[")[1].split(",")[-1].rstrip("]")) for op, shape in collectives}
+    assert ops == {("all-reduce", str(TINY.mla.hidden_size)), ("all-gather", str(DEVICES))}
+
+
 @pytest.mark.parametrize("q_lora_rank", [1536, None])
 def test_linear_splits_match_the_rules(q_lora_rank):
     """Each projection's ``tensor_split`` (how ``sharded_kernels`` splits its FP8 matmul) is
