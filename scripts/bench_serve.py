@@ -258,7 +258,7 @@ def _weight_bytes(model: DeepseekModel, tokens: int) -> float:
     total = sum(x.nbytes for x in jax.tree.leaves(state))
     total -= model.embed_tokens.embedding[...].nbytes
     moe = model.cfg.moe
-    for (_, _, is_moe), layers in zip(model.cfg.layer_runs(), model.layers, strict=True):
+    for (_, _, is_moe), layers in zip(model.runs, model.layers, strict=True):
         if is_moe:
             experts = layers.mlp.experts
             routed = experts.gate_up_proj[...].nbytes + experts.down_proj[...].nbytes

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -36,7 +36,7 @@ from mla_jax.checkpoint.fp8_weights import (
 )
 from mla_jax.checkpoint.hf_config import config_to_dict, load_config
 from mla_jax.model.config import ModelConfig
-from mla_jax.model.deepseek import DeepseekModel
+from mla_jax.model.deepseek import DeepseekModel, stacked_runs
 from mla_jax.model.moe import hf_expert_names, hf_expert_slice
 
 _INDEX = "model.safetensors.index.json"
@@ -64,17 +64,22 @@ class TensorSlot(NamedTuple):
 
 
 def hf_tensors(
-    path: tuple, shape: tuple[int, ...], cfg: ModelConfig, available: Container[str] = ()
+    path: tuple,
+    shape: tuple[int, ...],
+    cfg: ModelConfig,
+    available: Container[str] = (),
+    runs: Sequence[tuple[int, int, bool]] | None = None,
 ) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
-    run, ...) hold one tensor per layer of the run (their leading axis), and a run's routed
-    experts one per layer and expert (``moe.hf_expert_slice``), or one per layer where
+    run, ...; ``runs``: the model's, ``DeepseekModel.runs``, by default
+    ``cfg.layer_runs()``) hold one tensor per layer of the run (their leading axis), and a
+    run's routed experts one per layer and expert (``moe.hf_expert_slice``), or one per layer where
     ``available`` (a checkpoint's tensor names) has transformers' fused tensor of the layer's
     experts; the rest hold one. A kept FP8 weight's scales (``<name>_scale_inv``, its grid in
     the weight's layout) hold the ``weight_scale_inv`` tensors of its weight's tensors, each
     where its block grid lies."""
     if str(path[-1]).endswith(SCALE_SUFFIX):
-        return _scale_slots(path, shape, cfg)
+        return _scale_slots(path, shape, cfg, runs)
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
@@ -82,7 +87,7 @@ def hf_tensors(
         name = ".".join(parts)
         slot_name = name if parts[0] == "lm_head" else f"model.{name}"
         return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
-    first = cfg.layer_runs()[int(parts[1])][0]
+    first = (cfg.layer_runs() if runs is None else runs)[int(parts[1])][0]
     rest = ".".join(parts[2:])
     slots = []
     for i in range(shape[0]):
@@ -100,7 +105,7 @@ def hf_tensors(
     return slots
 
 
-def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[TensorSlot]:
+def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, runs) -> list[TensorSlot]:
     """The ``weight_scale_inv`` slots of the scale grid ``shape`` at ``path``: its weight's
     slots (``hf_tensors`` of the weight's shape, as the model builds it), each weight
     column range mapped to its range of grid columns (a fused ``gate_up_proj``'s up half
@@ -112,7 +117,7 @@ def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig) -> list[
     slots = []
     # The weight's slots for a weight of the grid's size in blocks (the experts' shapes come
     # from the config; a plain weight's HF shape is the grid's, transposed, in blocks).
-    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg):
+    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg, runs=runs):
         out, inp = slot.hf_shape
         index = slot.index
         if fused:  # gate's columns [:I] -> the grid's first half, up's [I:] -> the second
@@ -232,14 +237,17 @@ def load_model(
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
     blocks = cfg.quantization.weight_block_size if keeps_fp8(cfg, fp8_weights) else None
+    runs = stacked_runs(cfg, blocks, placement)  # kept FP8 stacks read in place on a device
     abstract = nnx.eval_shape(
-        lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+        lambda: DeepseekModel(
+            cfg, param_dtype=dtype, rngs=nnx.Rngs(0), fp8_blocks=blocks, runs=runs
+        )
     )
     graphdef, state = nnx.split(abstract)
     files = _checkpoint_files(model_dir)
     params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
-        for slot in hf_tensors(path, var.shape, cfg, files):
+        for slot in hf_tensors(path, var.shape, cfg, files, abstract.runs):
             params[slot.name] = (path, var, slot)
 
     missing = sorted(set(params) - set(files))
@@ -383,7 +391,7 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        for slot in hf_tensors(path, array.shape, model.cfg):
+        for slot in hf_tensors(path, array.shape, model.cfg, runs=model.runs):
             inverse = np.argsort(slot.axes)
             tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})

@@ -304,8 +304,9 @@ def _refuse_unindexable_fp8_cache(cfg: EngineConfig, model_cfg: ModelConfig, dty
         fp8.check_triton_indexable(jax.ShapeDtypeStruct(latent, fp8.FP8), "the latent")
     except ValueError as err:
         block_bytes = model_cfg.num_layers * cfg.block_size * mla.kv_lora_rank
-        below = 2**31 // block_bytes * cfg.data_parallel
-        above = (2**32 // block_bytes + 1) * cfg.data_parallel
+        low, high = fp8.TRITON_WRAPPING_BYTES
+        below = low // block_bytes * cfg.data_parallel
+        above = (high // block_bytes + 1) * cfg.data_parallel
         raise ValueError(
             f"num_blocks {cfg.num_blocks} with kv_cache_dtype='fp8': {err}; take num_blocks "
             f"<= {below} or >= {above}"

@@ -64,11 +64,22 @@ class Fp8Cache(NamedTuple):
         return self.k_pe.dtype
 
 
+# The sizes in bytes, (low, high], of a 1-byte operand that a Pallas Triton kernel would index
+# with wrapping offsets (``check_triton_indexable``).
+TRITON_WRAPPING_BYTES = (2**31, 2**32)
+
+
 def wraps_triton_offsets(array: jax.Array) -> bool:
     """Whether a Pallas Triton kernel would index ``array`` with wrapping offsets
     (``check_triton_indexable``): 1-byte values filling (2 GiB, 4 GiB]."""
-    nbytes = math.prod(array.shape) * jnp.dtype(array.dtype).itemsize
-    return jnp.dtype(array.dtype).itemsize == 1 and 2**31 < nbytes <= 2**32
+    itemsize = jnp.dtype(array.dtype).itemsize
+    return itemsize == 1 and wraps_triton_bytes(math.prod(array.shape))
+
+
+def wraps_triton_bytes(nbytes: int) -> bool:
+    """Whether ``nbytes`` of 1-byte values fall in ``TRITON_WRAPPING_BYTES``."""
+    low, high = TRITON_WRAPPING_BYTES
+    return low < nbytes <= high
 
 
 def check_triton_indexable(array: jax.Array, what: str) -> None:

@@ -1,16 +1,20 @@
 """A DeepSeek decoder for generation, parameters named as in HF checkpoints.
 
 Each run of consecutive layers of one kind (dense MLP or mixture-of-experts, see
-``ModelConfig.layer_runs``) is one ``DecoderLayer`` whose parameters carry a leading layer
-axis, run by a ``lax.scan``: XLA compiles each kind of layer once, so a 61-layer model
-compiles about as fast as a 2-layer one (``unroll_layers`` trades that for fewer launches
-where a step's launches, not its kernels, bound it). The latent cache is stacked the same way,
-``[L, num_blocks, block_size, Lkv + R]``, and carried through the scans whole (each layer
-writes and reads its own slice in place; slicing it out would copy it). An FP8 cache
-(``kernels.fp8.Fp8Cache``) is three such arrays, carried the same way.
+``ModelConfig.layer_runs``; ``stacked_runs`` may split one where FP8 weights are kept) is one
+``DecoderLayer`` whose parameters carry a leading layer axis, run by a ``lax.scan``: XLA
+compiles each run's layer once, so a 61-layer model compiles about as fast as a 2-layer one
+(``unroll_layers`` trades that for fewer launches where a step's launches, not its kernels,
+bound it). The latent cache is stacked the same way, ``[L, num_blocks, block_size, Lkv +
+R]``, and carried through the scans whole (each layer writes and reads its own slice in
+place; slicing it out would copy it). An FP8 cache (``kernels.fp8.Fp8Cache``) is three such
+arrays, carried the same way.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.cache.metadata import AttentionMetadata
+from mla_jax.kernels import fp8
 from mla_jax.kernels.fp8 import FP8, Fp8Cache
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import ModelConfig
@@ -118,6 +123,93 @@ def stacked_layers(
     return make(rngs)
 
 
+def stacked_runs(
+    cfg: ModelConfig,
+    fp8_blocks: tuple[int, int] | None = None,
+    placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
+) -> list[tuple[int, int, bool]]:
+    """The runs of layers the model stacks, ``(first layer, count, is_moe)`` in order:
+    ``cfg.layer_runs()``, where FP8 weights are kept each split into the fewest runs (the
+    longest of them as short as it can be) whose FP8 stacks all stay out of
+    ``fp8.TRITON_WRAPPING_BYTES`` on each device (``placement(path, ndim)``, as
+    ``load_model`` takes it, says what a device holds; default: all of it), so that the Pallas
+    Triton kernels read every layer in place (a stack in that range has its layer copied out
+    at each call). DeepSeek-V3 on one device: the 58-layer ``q_b_proj`` stack, 2.19 GB, would
+    be copied from; its MoE layers run as stacks of 40 and 18 layers, whose ``o_proj``
+    stacks (4.7 and 2.1 GB) stay out of the range too. A run no split helps stays whole."""
+    runs = cfg.layer_runs()
+    if fp8_blocks is None:
+        return runs
+    split = []
+    for first, count, moe in runs:
+        layer = nnx.eval_shape(
+            lambda moe=moe: stacked_layers(
+                cfg, 1, moe=moe, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=fp8_blocks
+            )
+        )
+        per_layer = set()  # bytes a device holds of one layer of each 1-byte stack
+        for path, var in nnx.to_flat_state(nnx.state(layer)):
+            if var.dtype.itemsize == 1:
+                shape = var.shape
+                if placement is not None:
+                    shape = placement(("layers", first, *path), len(shape)).shard_shape(shape)
+                per_layer.add(math.prod(shape))
+        allowed = {
+            n
+            for n in range(1, count + 1)
+            if not any(fp8.wraps_triton_bytes(n * size) for size in per_layer)
+        }
+        for length in _run_lengths(count, allowed):
+            split.append((first, length, moe))
+            first += length
+    return split
+
+
+def _run_lengths(count: int, allowed: set[int]) -> list[int]:
+    """``count`` as the fewest ``allowed`` parts, the longest as short as it can be
+    (longest first); ``[count]`` where no parts are allowed."""
+    if count in allowed or not allowed:
+        return [count]
+    for parts in range(2, count + 1):
+        for longest in range(-(-count // parts), count + 1):
+            # The sums of j allowed parts of at most `longest`, each with its last part.
+            reach = [{0: 0}]
+            for _ in range(parts):
+                reach.append(
+                    {
+                        total + part: part
+                        for total in reach[-1]
+                        for part in allowed
+                        if part <= longest and total + part <= count
+                    }
+                )
+            if count in reach[parts]:
+                lengths, total = [], count
+                for j in range(parts, 0, -1):
+                    lengths.append(reach[j][total])
+                    total -= lengths[-1]
+                return sorted(lengths, reverse=True)
+    return [count]
+
+
+def _checked(runs: Sequence[tuple[int, int, bool]], cfg: ModelConfig):
+    """``runs`` as a list, once they are ``cfg``'s layers in order, each run of one kind
+    (``cfg.layer_runs()``, possibly split); else ValueError naming the first wrong run."""
+    runs = [tuple(run) for run in runs]
+    start = 0
+    for first, count, moe in runs:
+        kinds = {cfg.is_moe_layer(layer) for layer in range(first, first + count)}
+        if first != start or count < 1 or kinds != {moe}:
+            raise ValueError(
+                f"runs: {(first, count, moe)} is not the next {count} layers from {start}, all "
+                f"{'MoE' if moe else 'dense'}, of the model's {cfg.layer_runs()}"
+            )
+        start += count
+    if start != cfg.num_layers:
+        raise ValueError(f"runs {runs} cover {start} of the model's {cfg.num_layers} layers")
+    return runs
+
+
 class DeepseekModel(nnx.Module):
     """Embeddings, decoder layers, final norm and lm_head (HF's DeepseekV2/V3ForCausalLM).
 
@@ -134,12 +226,14 @@ class DeepseekModel(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
         fp8_blocks: tuple[int, int] | None = None,
+        runs: Sequence[tuple[int, int, bool]] | None = None,
     ):
         self.cfg = cfg
         self.fp8_blocks = fp8_blocks  # (bo, bi) of the FP8 weights kept, else None
         h = cfg.mla.hidden_size
         self.embed_tokens = nnx.Embed(cfg.vocab_size, h, param_dtype=param_dtype, rngs=rngs)
-        # One stacked module per run of layers (``cfg.layer_runs()``), in order.
+        # One stacked module per run of layers, in order.
+        self.runs = stacked_runs(cfg, fp8_blocks) if runs is None else _checked(runs, cfg)
         self.layers = nnx.List(
             [
                 stacked_layers(
@@ -150,7 +244,7 @@ class DeepseekModel(nnx.Module):
                     rngs=rngs,
                     fp8_blocks=fp8_blocks,
                 )
-                for _, count, moe in cfg.layer_runs()
+                for _, count, moe in self.runs
             ]
         )
         self.norm = RMSNorm(h, cfg.mla.rms_norm_eps, param_dtype=param_dtype)
@@ -186,7 +280,7 @@ class DeepseekModel(nnx.Module):
         metadata = jax.tree.map(jnp.asarray, metadata)
         kernel_set = kernels.select(impl)  # resolved once for every layer
         x = self.embed_tokens(input_ids)
-        for (first, count, _), layers in zip(self.cfg.layer_runs(), self.layers, strict=True):
+        for (first, count, _), layers in zip(self.runs, self.layers, strict=True):
             # The routed experts and FP8 projections stay whole (indexed in place by their
             # kernels); the scan slices the rest layer by layer.
             graphdef, whole, state = nnx.split(layers, _KEPT_WHOLE, ...)

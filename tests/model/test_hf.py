@@ -18,6 +18,7 @@ forgot it) multiplies a latent by ~2^7 and fails it.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -195,6 +196,52 @@ def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
     assert max(runs) > 1 and {layers for layers, _ in calls} == set(runs)
     assert all(with_layer for _, with_layer in calls)
     assert set(splits) == {None, "columns", "rows"}
+
+
+def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeypatch):
+    """With the sizes where Triton's offsets wrap moved to this checkpoint's scale (two MoE
+    layers' stack of its largest FP8 weight lands there, one layer's does not), its run of
+    two MoE layers loads as two runs of one (``stacked_runs``), every HF layer in its place:
+    greedy tokens through the engine (windows of 4 decode steps, the split runs' cache
+    layers) equal transformers' on the dequantized weights, and ``save_checkpoint`` writes
+    the same FP8 tensors back."""
+    from flax import nnx
+
+    from mla_jax.checkpoint.fp8_weights import read_safetensors
+    from mla_jax.checkpoint.loader import save_checkpoint
+    from mla_jax.kernels import fp8
+    from mla_jax.model.deepseek import stacked_layers
+
+    hf, path, names = fp8_checkpoint
+    cfg, _ = load_model(path, fp8_weights="keep")
+    assert cfg.layer_runs() == [(0, 1, False), (1, 2, True)]
+    layer = nnx.eval_shape(
+        lambda: stacked_layers(
+            cfg, 1, moe=True, param_dtype=jnp.float32, rngs=nnx.Rngs(0), fp8_blocks=(16, 8)
+        )
+    )
+    largest = max(v.size for v in jax.tree.leaves(nnx.state(layer)) if v.dtype.itemsize == 1)
+    monkeypatch.setattr(fp8, "TRITON_WRAPPING_BYTES", (largest, 2 * largest))
+    _, model = load_model(path, fp8_weights="keep")
+    assert model.runs == [(0, 1, False), (1, 1, True), (2, 1, True)]
+    save_checkpoint(model, path / "saved")
+    kept = [name for name in names if "kv_b_proj" not in name]  # (dequantized at load)
+    assert any(".layers.2.mlp.experts." in name for name in kept)
+    for name in kept:
+        np.testing.assert_array_equal(
+            read_safetensors(path / "saved" / "model.safetensors", name).view(np.uint8),
+            read_safetensors(path / "model.safetensors", name).view(np.uint8),
+            err_msg=name,
+        )
+    prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]
+    argv = ["--model", str(path), "--dtype", "float32", "--max-new-tokens", "6"]
+    argv += ["--no-compilation-cache", "--fp8-weights", "keep", "--decode-window", "4"]
+    argv += ["--block-size", "4", "--workspace-size", "8", "--impl", "reference"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    result = generate_script().main(argv)
+    for prompt, output in zip(prompts, result["outputs"], strict=True):
+        assert output["generated_ids"] == greedy_tokens(hf, prompt, 6)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

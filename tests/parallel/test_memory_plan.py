@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +151,78 @@ def test_v3_config_is_the_published_one():
     assert (cfg.num_layers, cfg.first_k_dense_replace, cfg.moe.n_routed_experts) == (61, 3, 256)
     assert cfg.quantization == FP8BlockQuantization((128, 128))
     assert cfg.layer_runs() == [(0, 3, False), (3, 58, True)]
+
+
+@pytest.mark.parametrize(
+    "layout, moe_runs",
+    [
+        (None, [40, 18]),  # one device: q_b_proj's 58 layers fill 2.19 GB
+        (Layout(1, 8), [58]),
+        (Layout(8, 1, True), [40, 18]),  # attention whole on each device, as on one
+        (Layout(4, 2, True), [29, 29]),  # o_proj's 58 layers fill 3.4 GB of each device
+        (Layout(2, 4, True), [58]),
+    ],
+    ids=lambda value: getattr(value, "name", str(value)),
+)
+def test_v3_fp8_stacks_stay_out_of_the_wrapping_sizes(layout, moe_runs):
+    """Kept FP8, DeepSeek-V3's MoE layers run as stacks (``stacked_runs``) none of whose
+    1-byte weights fills (2 GiB, 4 GiB] on a device, where the Pallas Triton kernels would
+    copy a layer out each call: its placement's shards of every such stack of the whole
+    model, checked, and the run split only where a whole one would land there."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from mla_jax.kernels import fp8
+    from mla_jax.model.deepseek import DeepseekModel, stacked_runs
+
+    cfg = load_config(V3_DIR)
+    blocks = cfg.quantization.weight_block_size
+    placement = None
+    if layout is not None:
+
+        def placement(path, ndim):
+            return NamedSharding(layout.mesh(), layout.partition_spec(list(map(str, path)), ndim))
+
+    def wrapping(runs) -> list[str]:
+        model = nnx.eval_shape(
+            lambda: DeepseekModel(
+                cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=blocks, runs=runs
+            )
+        )
+        found = []
+        for path, var in nnx.to_flat_state(nnx.state(model)):
+            shape = var.shape
+            if placement is not None:
+                shape = placement(path, len(shape)).shard_shape(shape)
+            if var.dtype.itemsize == 1 and fp8.wraps_triton_bytes(math.prod(shape)):
+                found.append("/".join(map(str, path)))
+        return found
+
+    runs = stacked_runs(cfg, blocks, placement)
+    assert runs[0] == (0, 3, False) and [count for _, count, _ in runs[1:]] == moe_runs
+    assert wrapping(runs) == []
+    assert (wrapping(cfg.layer_runs()) != []) == (moe_runs != [58])  # unsplit, would they?
+
+
+@pytest.mark.parametrize(
+    "runs, message",
+    [
+        ([(0, 3, False), (3, 57, True)], "cover 60 of the model's 61 layers"),
+        (
+            [(0, 4, False), (4, 57, True)],
+            "(0, 4, False) is not the next 4 layers from 0, all dense",
+        ),
+        ([(0, 3, False), (4, 57, True)], "(4, 57, True) is not the next 57 layers from 3, all MoE"),
+    ],
+)
+def test_bad_runs_are_refused(runs, message):
+    from flax import nnx
+
+    from mla_jax.model.deepseek import DeepseekModel
+
+    cfg = load_config(V3_DIR)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        nnx.eval_shape(lambda: DeepseekModel(cfg, rngs=nnx.Rngs(0), runs=runs))
 
 
 def test_v3_parameters_and_weight_bytes_match_the_config_formulas():
