@@ -67,17 +67,16 @@ def hf_tensors(
     path: tuple,
     shape: tuple[int, ...],
     cfg: ModelConfig,
+    runs: Sequence[tuple[int, int, bool]],
     available: Container[str] = (),
-    runs: Sequence[tuple[int, int, bool]] | None = None,
 ) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
-    run, ...; ``runs``: the model's, ``DeepseekModel.runs``, by default
-    ``cfg.layer_runs()``) hold one tensor per layer of the run (their leading axis), and a
-    run's routed experts one per layer and expert (``moe.hf_expert_slice``), or one per layer where
-    ``available`` (a checkpoint's tensor names) has transformers' fused tensor of the layer's
-    experts; the rest hold one. A kept FP8 weight's scales (``<name>_scale_inv``, its grid in
-    the weight's layout) hold the ``weight_scale_inv`` tensors of its weight's tensors, each
-    where its block grid lies."""
+    run, ...; ``runs``: the model's, ``DeepseekModel.runs``) hold one tensor per layer of the
+    run (their leading axis), and a run's routed experts one per layer and expert
+    (``moe.hf_expert_slice``), or one per layer where ``available`` (a checkpoint's tensor
+    names) has transformers' fused tensor of the layer's experts; the rest hold one. A kept
+    FP8 weight's scales (``<name>_scale_inv``, its grid in the weight's layout) hold the
+    ``weight_scale_inv`` tensors of its weight's tensors, each where its block grid lies."""
     if str(path[-1]).endswith(SCALE_SUFFIX):
         return _scale_slots(path, shape, cfg, runs)
     parts = [str(p) for p in path]
@@ -87,7 +86,7 @@ def hf_tensors(
         name = ".".join(parts)
         slot_name = name if parts[0] == "lm_head" else f"model.{name}"
         return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
-    first = (cfg.layer_runs() if runs is None else runs)[int(parts[1])][0]
+    first = runs[int(parts[1])][0]
     rest = ".".join(parts[2:])
     slots = []
     for i in range(shape[0]):
@@ -117,7 +116,7 @@ def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, runs) ->
     slots = []
     # The weight's slots for a weight of the grid's size in blocks (the experts' shapes come
     # from the config; a plain weight's HF shape is the grid's, transposed, in blocks).
-    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg, runs=runs):
+    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg, runs):
         out, inp = slot.hf_shape
         index = slot.index
         if fused:  # gate's columns [:I] -> the grid's first half, up's [I:] -> the second
@@ -247,7 +246,7 @@ def load_model(
     files = _checkpoint_files(model_dir)
     params = {}  # HF name -> (parameter path, its abstract variable, its slot)
     for path, var in nnx.to_flat_state(state):
-        for slot in hf_tensors(path, var.shape, cfg, files, abstract.runs):
+        for slot in hf_tensors(path, var.shape, cfg, abstract.runs, files):
             params[slot.name] = (path, var, slot)
 
     missing = sorted(set(params) - set(files))
@@ -391,7 +390,7 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        for slot in hf_tensors(path, array.shape, model.cfg, runs=model.runs):
+        for slot in hf_tensors(path, array.shape, model.cfg, model.runs):
             inverse = np.argsort(slot.axes)
             tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})

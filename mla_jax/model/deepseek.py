@@ -123,23 +123,28 @@ def stacked_layers(
     return make(rngs)
 
 
+# The most runs ``stacked_runs`` splits a run into: each compiles its layer on its own.
+MAX_SPLIT = 4
+
+
 def stacked_runs(
     cfg: ModelConfig,
     fp8_blocks: tuple[int, int] | None = None,
     placement: Callable[[tuple, int], jax.sharding.Sharding] | None = None,
-) -> list[tuple[int, int, bool]]:
+) -> tuple[tuple[int, int, bool], ...]:
     """The runs of layers the model stacks, ``(first layer, count, is_moe)`` in order:
-    ``cfg.layer_runs()``, where FP8 weights are kept each split into the fewest runs (the
-    longest of them as short as it can be) whose FP8 stacks all stay out of
-    ``fp8.TRITON_WRAPPING_BYTES`` on each device (``placement(path, ndim)``, as
-    ``load_model`` takes it, says what a device holds; default: all of it), so that the Pallas
-    Triton kernels read every layer in place (a stack in that range has its layer copied out
-    at each call). DeepSeek-V3 on one device: the 58-layer ``q_b_proj`` stack, 2.19 GB, would
-    be copied from; its MoE layers run as stacks of 40 and 18 layers, whose ``o_proj``
-    stacks (4.7 and 2.1 GB) stay out of the range too. A run no split helps stays whole."""
+    ``cfg.layer_runs()``, where FP8 weights are kept each split into the fewest runs (up to
+    ``MAX_SPLIT``; the longest of them as short as it can be) whose FP8 stacks all stay out
+    of ``fp8.TRITON_WRAPPING_BYTES`` on each device (``placement(path, ndim)``, as
+    ``load_model`` takes it, says what a device holds; default: all of it), so that the
+    Pallas Triton kernels read every layer in place (a stack in that range has its layer
+    copied out at each call). DeepSeek-V3 on one device: the 58-layer ``q_b_proj`` stack,
+    2.19 GB, would be copied from; its MoE layers run as stacks of 40 and 18 layers, whose
+    ``o_proj`` stacks (4.7 and 2.1 GB) stay out of the range too. A run no such split helps
+    stays whole."""
     runs = cfg.layer_runs()
     if fp8_blocks is None:
-        return runs
+        return tuple(runs)
     split = []
     for first, count, moe in runs:
         layer = nnx.eval_shape(
@@ -151,8 +156,9 @@ def stacked_runs(
         for path, var in nnx.to_flat_state(nnx.state(layer)):
             if var.dtype.itemsize == 1:
                 shape = var.shape
-                if placement is not None:
-                    shape = placement(("layers", first, *path), len(shape)).shard_shape(shape)
+                if placement is not None:  # (under the path of the model's next run)
+                    where = ("layers", str(len(split)), *path)
+                    shape = placement(where, len(shape)).shard_shape(shape)
                 per_layer.add(math.prod(shape))
         allowed = {
             n
@@ -162,40 +168,40 @@ def stacked_runs(
         for length in _run_lengths(count, allowed):
             split.append((first, length, moe))
             first += length
-    return split
+    return tuple(split)
 
 
-def _run_lengths(count: int, allowed: set[int]) -> list[int]:
-    """``count`` as the fewest ``allowed`` parts, the longest as short as it can be
-    (longest first); ``[count]`` where no parts are allowed."""
-    if count in allowed or not allowed:
+def _run_lengths(count: int, allowed: set[int], max_parts: int = MAX_SPLIT) -> list[int]:
+    """``count`` as the fewest ``allowed`` parts, at most ``max_parts``, the longest as
+    short as it can be (longest first); ``[count]`` where it is allowed or no such parts
+    sum to it."""
+    if count in allowed:
         return [count]
-    for parts in range(2, count + 1):
+    for parts in range(2, max_parts + 1):
         for longest in range(-(-count // parts), count + 1):
-            # The sums of j allowed parts of at most `longest`, each with its last part.
-            reach = [{0: 0}]
+            # Bit t of reach[j]: j parts of at most ``longest`` sum to t.
+            lengths = [n for n in allowed if n <= longest]
+            reach = [1]
             for _ in range(parts):
-                reach.append(
-                    {
-                        total + part: part
-                        for total in reach[-1]
-                        for part in allowed
-                        if part <= longest and total + part <= count
-                    }
-                )
-            if count in reach[parts]:
-                lengths, total = [], count
-                for j in range(parts, 0, -1):
-                    lengths.append(reach[j][total])
-                    total -= lengths[-1]
-                return sorted(lengths, reverse=True)
+                sums = 0
+                for n in lengths:
+                    sums |= reach[-1] << n
+                reach.append(sums & ((2 << count) - 1))
+            if not reach[parts] >> count & 1:
+                continue
+            chosen, total = [], count
+            for j in range(parts, 0, -1):  # a last part whose remainder j - 1 parts reach
+                n = next(n for n in lengths if total >= n and reach[j - 1] >> (total - n) & 1)
+                chosen.append(n)
+                total -= n
+            return sorted(chosen, reverse=True)
     return [count]
 
 
 def _checked(runs: Sequence[tuple[int, int, bool]], cfg: ModelConfig):
-    """``runs`` as a list, once they are ``cfg``'s layers in order, each run of one kind
+    """``runs`` as a tuple, once they are ``cfg``'s layers in order, each run of one kind
     (``cfg.layer_runs()``, possibly split); else ValueError naming the first wrong run."""
-    runs = [tuple(run) for run in runs]
+    runs = tuple(tuple(run) for run in runs)
     start = 0
     for first, count, moe in runs:
         kinds = {cfg.is_moe_layer(layer) for layer in range(first, first + count)}

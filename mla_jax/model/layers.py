@@ -19,6 +19,12 @@ COLUMNS = "columns"
 ROWS = "rows"
 
 
+def check_tensor_split(tensor_split) -> None:
+    """ValueError (one line) unless ``tensor_split`` is None, ``COLUMNS`` or ``ROWS``."""
+    if tensor_split not in (None, COLUMNS, ROWS):
+        raise ValueError(f"tensor_split {tensor_split!r} (None, {COLUMNS!r} or {ROWS!r})")
+
+
 class RMSNorm(nnx.Module):
     """``weight * (x / rms(x))``, normalised in float32 and cast back before the weight."""
 
@@ -105,8 +111,7 @@ class Linear(nnx.Module):
         fp8_blocks: tuple[int, int] | None = None,
         tensor_split: str | None = None,
     ):
-        if tensor_split not in (None, COLUMNS, ROWS):
-            raise ValueError(f"tensor_split {tensor_split!r} (None, {COLUMNS!r} or {ROWS!r})")
+        check_tensor_split(tensor_split)
         self.dtype = param_dtype
         self.tensor_split = tensor_split
         self.blocks = None if fp8_blocks is None else Fp8Blocks(*fp8_blocks)

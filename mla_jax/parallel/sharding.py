@@ -22,9 +22,9 @@ The Pallas kernels are opaque to the partitioner, so ``sharded_kernels`` wraps e
 cache, block tables and schedules replicated), the grouped matmul on each rank over its
 experts, the FP8 projections' matmul on each rank's columns or rows of its weight (as the
 ``Linear`` declares its ``tensor_split``, which ``test_linear_splits_match_the_rules``
-holds to the rules below). Nothing here writes a collective: the only ones are those XLA
-inserts for the shardings above (all-reduces of partial sums, and the gathers of each rank's
-best logit).
+holds to the rules below). The only collectives are those XLA inserts for the shardings
+above (all-reduces of partial sums, and the gathers of each rank's best logit) and the
+FP8 matmul's sum of a row split's partial products (``jax.lax.psum``, as XLA sums a dot's).
 
 Data parallelism (attention): a ``("dp", "tp")`` mesh of M x N devices. Each DP rank runs
 its own requests over its own part of the cache (the cache split on its block axis, block
@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import kernels
+from mla_jax.model import layers
 from mla_jax.model.config import ModelConfig
 
 TENSOR_AXIS = "tp"
@@ -64,21 +65,21 @@ DATA_AXIS = "dp"
 
 # Parameter path suffix -> how its own (trailing) axes split; stacked layers' leading layer
 # axis is never split. Paths not listed are replicated.
-_COLUMNS = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
-_ROWS = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_COLUMN_SPLIT = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
+_ROW_SPLIT = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
 _BY_EXPERT = (TENSOR_AXIS, None, None)  # [E, in, out]: by expert, over a DP rank's devices
 # With expert parallelism: by expert over every device, a DP rank's experts one range.
 _BY_EXPERT_OVER_ALL = ((DATA_AXIS, TENSOR_AXIS), None, None)
 _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
-    (("self_attn", "q_proj", "kernel"), _COLUMNS),
-    (("self_attn", "q_b_proj", "kernel"), _COLUMNS),
-    (("self_attn", "kv_b_proj", "kernel"), _COLUMNS),
-    (("self_attn", "o_proj", "kernel"), _ROWS),
-    (("gate_proj", "kernel"), _COLUMNS),  # the dense MLP and the shared experts
-    (("up_proj", "kernel"), _COLUMNS),
-    (("down_proj", "kernel"), _ROWS),
-    (("embed_tokens", "embedding"), _ROWS),  # [vocab, H]: by vocabulary
-    (("lm_head", "kernel"), _COLUMNS),
+    (("self_attn", "q_proj", "kernel"), _COLUMN_SPLIT),
+    (("self_attn", "q_b_proj", "kernel"), _COLUMN_SPLIT),
+    (("self_attn", "kv_b_proj", "kernel"), _COLUMN_SPLIT),
+    (("self_attn", "o_proj", "kernel"), _ROW_SPLIT),
+    (("gate_proj", "kernel"), _COLUMN_SPLIT),  # the dense MLP and the shared experts
+    (("up_proj", "kernel"), _COLUMN_SPLIT),
+    (("down_proj", "kernel"), _ROW_SPLIT),
+    (("embed_tokens", "embedding"), _ROW_SPLIT),  # [vocab, H]: by vocabulary
+    (("lm_head", "kernel"), _COLUMN_SPLIT),
     (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I]
     (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H]
 )
@@ -356,24 +357,24 @@ def _by_weight_split(fp8_matmul, mesh: Mesh):
     ``shard_map``: the Pallas kernel is opaque to the partitioner, which would otherwise
     gather the split weight whole onto every device at every call.
 
-    - ``"columns"``: ``x`` whole on every rank, the weight and its scales split on N: each
+    - ``COLUMNS``: ``x`` whole on every rank, the weight and its scales split on N: each
       rank computes its columns of the output, which stays split;
-    - ``"rows"``: ``x``'s columns and the weight's rows (and scales) split: each rank's
-      partial product, summed across the ranks (by XLA, as it sums a split dot's);
-    - None: the weight whole on every rank: the kernel as it is.
+    - ``ROWS``: ``x``'s columns and the weight's rows (and scales) split: each rank's
+      partial product in x's dtype, summed across the ranks in it (``psum``: as XLA sums a
+      split dot's partial products, in its output's dtype);
+    - None, or one device on ``"tp"``: the weight whole on every rank: the kernel as it is.
 
     A stack stays whole along its layers, each rank reading its part of ``layer`` in place."""
 
     def split_matmul(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
-        if tensor_split is None:
+        layers.check_tensor_split(tensor_split)
+        if tensor_split is None or mesh.shape[TENSOR_AXIS] == 1:  # (a psum over 1 is kept)
             return fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
         lead = (None,) * (weight.ndim - 2)
-        if tensor_split == "columns":
+        if tensor_split == layers.COLUMNS:
             rows, weights, out = P(), P(*lead, None, TENSOR_AXIS), P(None, TENSOR_AXIS)
-        elif tensor_split == "rows":
-            rows, weights, out = P(None, TENSOR_AXIS), P(*lead, TENSOR_AXIS, None), P(TENSOR_AXIS)
         else:
-            raise ValueError(f"tensor_split {tensor_split!r} (None, 'columns' or 'rows')")
+            rows, weights, out = P(None, TENSOR_AXIS), P(*lead, TENSOR_AXIS, None), P()
         # A layer known at trace time stays a Python int (the kernel checks its range).
         operands = [] if layer is None or isinstance(layer, int) else [layer]
 
@@ -385,9 +386,11 @@ def _by_weight_split(fp8_matmul, mesh: Mesh):
                 blocks=blocks,
                 layer=traced_layer[0] if traced_layer else layer,
             )
-            return product if tensor_split == "columns" else product[None]
+            if tensor_split == layers.COLUMNS:
+                return product
+            return jax.lax.psum(product, TENSOR_AXIS)
 
-        product = jax.shard_map(
+        return jax.shard_map(
             local,
             mesh=_heads_mesh(mesh),
             in_specs=(rows, weights, weights, *(P(),) * len(operands)),
@@ -395,7 +398,6 @@ def _by_weight_split(fp8_matmul, mesh: Mesh):
             axis_names={TENSOR_AXIS},
             check_vma=False,  # Pallas calls carry no replication information
         )(x, weight, scale_inv, *operands)
-        return product if tensor_split == "columns" else product.sum(axis=0)
 
     return split_matmul
 

@@ -192,7 +192,7 @@ def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
         rng.integers(0, 96, 9).tolist(),
         kernels.REFERENCE._replace(fp8_matmul=fp8_matmul),
     )
-    runs = [count for _, count, _ in cfg.layer_runs()]
+    runs = [count for _, count, _ in model.runs]
     assert max(runs) > 1 and {layers for layers, _ in calls} == set(runs)
     assert all(with_layer for _, with_layer in calls)
     assert set(splits) == {None, "columns", "rows"}
@@ -223,7 +223,7 @@ def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeyp
     largest = max(v.size for v in jax.tree.leaves(nnx.state(layer)) if v.dtype.itemsize == 1)
     monkeypatch.setattr(fp8, "TRITON_WRAPPING_BYTES", (largest, 2 * largest))
     _, model = load_model(path, fp8_weights="keep")
-    assert model.runs == [(0, 1, False), (1, 1, True), (2, 1, True)]
+    assert model.runs == ((0, 1, False), (1, 1, True), (2, 1, True))
     save_checkpoint(model, path / "saved")
     kept = [name for name in names if "kv_b_proj" not in name]  # (dequantized at load)
     assert any(".layers.2.mlp.experts." in name for name in kept)

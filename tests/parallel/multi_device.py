@@ -280,8 +280,10 @@ def _fp8_splits(tensor_parallel: int, seed: int) -> dict[str, dict]:
             * np.repeat(np.repeat(scales[layer], 16, axis=0), 16, axis=1)[:depth, :width]
         )
         want = x.astype(np.float64) @ dequantized
+        eager = np.asarray(call(*operands[:3], layer), np.float64)  # the layer an int
         results[name] = {
             "error": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+            "int_layer_error": float(np.linalg.norm(eager - want) / np.linalg.norm(want)),
             "collectives": [[op, shape] for op, shape, _ in _collectives([compiled])],
             "shape": [rows, width],
         }

@@ -64,17 +64,22 @@ PREFIX_CACHED = [0, 3 * 8]  # the 10-token prefix: 2 blocks of 4 for each of the
 # Expert parallelism (--ep): the DP prompts with the routed experts (8 a layer) over every
 # device: (checkpoint, data_parallel, tensor_parallel, decode window, --fp8-weights). The V3
 # router at DP 2 x TP 2, the V2 router at DP 4 in windows of 4 (rank 3 idle throughout,
-# ranks 1 and 2 finishing first), the FP8 checkpoint with its weights kept FP8 at DP 2 and 4.
+# ranks 1 and 2 finishing first), the FP8 checkpoint with its weights kept FP8 at DP 2 and 4,
+# and one whose blocks TP 2 splits whole at DP 2 x TP 2 (the FP8 projections' matmul on each
+# TP rank's columns or rows, inside the DP ranks' shard_map).
 EP_RUNS = [
     ["v3-moe", 2, 2, 1, "dequantize"],
     ["v2-moe", 4, 1, 4, "dequantize"],
     ["fp8", 2, 1, 1, "keep"],
     ["fp8", 4, 1, 1, "keep"],
+    ["fp8-tp", 2, 2, 1, "keep"],
 ]
 if sharding.gspmd_for_data_parallel():  # jax 0.11: expert parallelism x TP is refused
     EP_RUNS = [run for run in EP_RUNS if run[2] == 1]
 EP_KEYS = [f"{n}/dp{dp}xtp{tp}/window{w}/{fp8}" for n, dp, tp, w, fp8 in EP_RUNS]
-FP8_BLOCKS = (16, 8)  # test_hf's: edge blocks partial (never split here: experts are whole)
+# The FP8 checkpoints' blocks: test_hf's, edge blocks partial (at TP 1: experts are split
+# whole); blocks TP 2 splits whole (the MLP's width 80 is 10 blocks of 8, TP 2 takes 5 each).
+FP8_BLOCKS = {"fp8": (16, 8), "fp8-tp": (4, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +132,13 @@ def multi_device(tmp_path_factory):
     for name in sorted({run[0] for run in EP_RUNS} - set(checkpoints)):
         path = root / name
         path.mkdir()
-        if name == "fp8":
+        if name in FP8_BLOCKS:
             from fp8_checkpoint import write_fp8_checkpoint
 
             from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
 
             seed = int(ep_rng.integers(2**31))
-            hf, _ = write_fp8_checkpoint(path, seed, FP8BlockQuantization(FP8_BLOCKS))
+            hf, _ = write_fp8_checkpoint(path, seed, FP8BlockQuantization(FP8_BLOCKS[name]))
         else:
             hf = write_checkpoint(name, path, int(ep_rng.integers(2**31)))
         checkpoints[name] = str(path)
@@ -469,7 +474,8 @@ def test_bad_data_parallel_is_refused(flags, message, capsys):
 
 def test_fp8_matmul_split_by_columns_or_rows_moves_no_weight(multi_device):
     """The Pallas FP8 matmul (opaque to the partitioner) on a stack of weights split by
-    columns or by rows over 4 devices, its layer traced: float32 against float64 NumPy
+    columns or by rows over 4 devices, its layer traced (and a Python int, eagerly): float32
+    against float64 NumPy
     (observed ~1e-7), the other layers' weights and scales NaN; the compiled program moves
     no weight: by columns no collective, by rows the output's partial sums alone. Handed
     over as if whole, the partitioner gathers the stack onto every device (what the wrapper
@@ -478,6 +484,7 @@ def test_fp8_matmul_split_by_columns_or_rows_moves_no_weight(multi_device):
     splits = result["fp8_splits"]
     for name in ("columns", "rows", "unsplit"):
         assert splits[name]["error"] < 1e-6, name
+        assert splits[name]["int_layer_error"] < 1e-6, name
     assert splits["columns"]["collectives"] == []
     rows, width = splits["rows"]["shape"]
     assert splits["rows"]["collectives"] == [["all-reduce", f"f32[{rows},{width}]"]]
@@ -533,10 +540,12 @@ def test_linear_splits_match_the_rules(q_lora_rank):
     assert {None, layers.COLUMNS, layers.ROWS} == set(seen.values())
 
 
-def test_fp8_matmul_wrapper_hands_each_split_its_stack_in_place():
-    """``sharded_kernels``' FP8 matmul gives the kernel the run's stack in place with its
-    layer, traced or a Python int (checked by the kernel), whatever the split (1 device:
-    each rank's part is the whole stack); an unknown split is refused in one line."""
+def test_fp8_matmul_wrapper_on_one_device_hands_over_the_stack_in_place():
+    """On one device (``"tp"`` of 1) ``sharded_kernels``' FP8 matmul gives the kernel the
+    run's stack in place with its layer, traced or a Python int (checked by the kernel),
+    whatever the split, and no ``shard_map`` (a psum over one device stays in XLA's program
+    as an all-reduce of singletons); an unknown split is refused in one line.
+    ``test_fp8_matmul_split_by_columns_or_rows_moves_no_weight`` runs the splits on 4."""
     given = []
 
     def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None, tensor_split=None):
