@@ -13,6 +13,7 @@ arrays, carried the same way.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -24,10 +25,13 @@ from mla_jax import kernels
 from mla_jax.cache.metadata import AttentionMetadata
 from mla_jax.kernels import fp8
 from mla_jax.kernels.fp8 import FP8, Fp8Cache
+from mla_jax.kernels.mosaic_gpu import log_once
 from mla_jax.model.attention import MLAAttention
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.layers import COLUMNS, MLP, RMSNorm, linear, matmul_precision
 from mla_jax.model.moe import MoE
+
+log = logging.getLogger(__name__)
 
 # What a scan over a run of layers passes whole, each layer's kernels indexing it in place
 # (a layer sliced out of a stack is copied before a kernel can take it, every step): the
@@ -165,7 +169,16 @@ def stacked_runs(
             for n in range(1, count + 1)
             if not any(fp8.wraps_triton_bytes(n * size) for size in per_layer)
         }
-        for length in _run_lengths(count, allowed):
+        lengths = _run_lengths(count, allowed)
+        if len(lengths) > 1:
+            log_once(
+                log,
+                f"layers {first}-{first + count - 1} ({'MoE' if moe else 'dense'}) stacked as "
+                f"runs of {', '.join(map(str, lengths))} layers: as one run a kept FP8 stack "
+                "of theirs would fill (2 GiB, 4 GiB] on a device, which the Pallas Triton "
+                "kernels would copy a layer out of at each call",
+            )
+        for length in lengths:
             split.append((first, length, moe))
             first += length
     return tuple(split)

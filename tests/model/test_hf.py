@@ -198,13 +198,13 @@ def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
     assert set(splits) == {None, "columns", "rows"}
 
 
-def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeypatch):
+def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeypatch, caplog):
     """With the sizes where Triton's offsets wrap moved to this checkpoint's scale (two MoE
     layers' stack of its largest FP8 weight lands there, one layer's does not), its run of
-    two MoE layers loads as two runs of one (``stacked_runs``), every HF layer in its place:
-    greedy tokens through the engine (windows of 4 decode steps, the split runs' cache
-    layers) equal transformers' on the dequantized weights, and ``save_checkpoint`` writes
-    the same FP8 tensors back."""
+    two MoE layers loads as two runs of one (``stacked_runs``, said in the log), every HF
+    layer in its place: greedy tokens through the engine (windows of 4 decode steps, the
+    split runs' cache layers) equal transformers' on the dequantized weights, and
+    ``save_checkpoint`` writes the same FP8 tensors back."""
     from flax import nnx
 
     from mla_jax.checkpoint.fp8_weights import read_safetensors
@@ -224,6 +224,7 @@ def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeyp
     monkeypatch.setattr(fp8, "TRITON_WRAPPING_BYTES", (largest, 2 * largest))
     _, model = load_model(path, fp8_weights="keep")
     assert model.runs == ((0, 1, False), (1, 1, True), (2, 1, True))
+    assert "layers 1-2 (MoE) stacked as runs of 1, 1 layers" in caplog.text
     save_checkpoint(model, path / "saved")
     kept = [name for name in names if "kv_b_proj" not in name]  # (dequantized at load)
     assert any(".layers.2.mlp.experts." in name for name in kept)
