@@ -338,7 +338,8 @@ class DecodeTimes(NamedTuple):
     (a window's over its steps) of the launch interval and of the host's time in it
     (``engine.StepRecord``: working, of which calling the program, and waiting), and the
     p50 and p99 of the intervals between a request's tokens reaching the host (a window's
-    arrive together)."""
+    arrive together); ``host_parts_ms``: medians of the host's work by part (building the
+    batch, the runner's prepare, the call, the rest: giving out tokens, scheduling)."""
 
     wall_s: float
     step_ms: float
@@ -346,6 +347,7 @@ class DecodeTimes(NamedTuple):
     call_ms: float
     wait_ms: float
     itl_ms: tuple[float, float]
+    host_parts_ms: dict[str, float]
 
 
 def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
@@ -365,6 +367,13 @@ def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
     def median_ms(field: str) -> float:
         return float(np.median([getattr(r, field) / r.steps for r in steady])) * 1e3
 
+    def rest(r) -> float:
+        return r.host_s - r.batch_s - r.prepare_s - r.call_s
+
+    parts = {"batch": "batch_s", "prepare": "prepare_s", "call": "call_s"}
+    host_parts = {name: round(median_ms(field), 4) for name, field in parts.items()}
+    host_parts["rest"] = round(float(np.median([rest(r) / r.steps for r in steady])) * 1e3, 4)
+
     # Each request's token intervals after the first launches' tokens (the records' steady
     # part; every request takes all of a window's steps here).
     skipped = sum(r.steps for r in records[: len(records) - len(steady)])
@@ -376,6 +385,7 @@ def _timed_decode(engine, batch, context, sizes: Sizes) -> DecodeTimes:
         median_ms("call_s"),
         median_ms("wait_s"),
         tuple(float(x) for x in np.percentile(intervals, [50, 99]) * 1e3),
+        host_parts,
     )
 
 
@@ -409,6 +419,8 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
             round(times.step_ms / roofline_ms, 2),
         ],
         "wall_s": round(times.wall_s, 3),
+        # The host's work by part, per step: in windows, and one step at a time.
+        "host_parts_ms": {"window": times.host_parts_ms, "single_steps": single.host_parts_ms},
         # The same steps one at a time: how their host time divides.
         "single_steps_ms": {
             "step": round(single.step_ms, 3),
@@ -867,7 +879,9 @@ def main(argv: list[str] | None = None) -> None:
         "condition read to the host each step). Decode steps run in windows of "
         f"{args.decode_window} steps (one device program, tokens read once a window; times "
         "per step: a window's over its steps); host ms, 1 step: the same steps run one at a "
-        "time (their call and wait in the JSON's single_steps_ms). ITL: p50 / p99 of the "
+        "time (their call and wait in the JSON's single_steps_ms; the host's work by part, "
+        "batch building, the runner's prepare, the call and the rest, in host_parts_ms). "
+        "ITL: p50 / p99 of the "
         "intervals between a request's tokens reaching the host, steps one at a time (the "
         "engine's default; in windows a window's tokens arrive together: the JSON's "
         "itl_ms_p50_p99).",

@@ -190,7 +190,9 @@ class StepRecord(NamedTuple):
     ``call_s`` in the compiled program's call, and ``wait_s`` blocked reading an earlier
     step's tokens (the device still running it). Compilation is in none of them; without
     it, interval = host + wait (the first launch of a call: host since its scheduling began,
-    interval 0)."""
+    interval 0). Of ``host_s`` also: ``batch_s`` building the ranks' batches
+    (``build_batch``) and ``prepare_s`` the runner's metadata and packing
+    (``ModelRunner.prepare``)."""
 
     decodes: int
     prefill_tokens: int
@@ -200,6 +202,8 @@ class StepRecord(NamedTuple):
     steps: int = 1  # decode steps it runs: a window's longest request's (EOS may end it early)
     call_s: float = 0.0
     wait_s: float = 0.0
+    batch_s: float = 0.0
+    prepare_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -501,10 +505,12 @@ class Engine:
         scheduling began; ``steps`` > 1: a window of decodes)."""
         buckets = buckets or self.buckets
         previous_rows = previous.previous_rows() if previous is not None else {}
+        batch_start = time.perf_counter()
         batches = [
             build_batch(rank_scheduled, previous_rows, input_batch)
             for rank_scheduled, input_batch in zip(scheduled, self.input_batches, strict=True)
         ]
+        batch_s = time.perf_counter() - batch_start
         decodes = sum(batch.num_decodes for batch in batches)
         tokens = sum(int(batch.query_lens.sum()) for batch in batches)
         longest = max((int(batch.steps.max(initial=1)) for batch in batches), default=1)
@@ -545,6 +551,8 @@ class Engine:
                 longest,
                 output.call_s,
                 waited,
+                batch_s,
+                output.prepare_s,
             )
         )
         self._last_launch, self._waited_at_launch = now, self.waited_s

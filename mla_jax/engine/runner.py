@@ -96,6 +96,7 @@ class StepOutput(NamedTuple):
     compiled: the programs this step compiled first.
     call_s: seconds in the compiled program's call (the launch: the input's transfer and,
       on a GPU, the kernels' launches; more means the call waited for the device).
+    prepare_s: seconds in ``prepare`` (the metadata, the kernels' schedules, the packing).
     """
 
     rows: list[np.ndarray]
@@ -103,6 +104,7 @@ class StepOutput(NamedTuple):
     shape: StepShape
     compiled: list[Compiled]
     call_s: float
+    prepare_s: float = 0.0
 
 
 # XLA options for the step programs on GPUs (scripts/bench_serve.py's per-kernel breakdown
@@ -422,7 +424,9 @@ class ModelRunner:
     ) -> StepOutput:
         """Builds the step (``batches``: each DP rank's; ``steps`` > 1: a window, see
         ``prepare``) and starts it on the device; returns without waiting for it."""
+        start = time.perf_counter()
         layout, packed, rows, shape = self.prepare(batches, buckets, steps, eos_token_ids)
+        prepare_s = time.perf_counter() - start
         compiled = []
         program = self.programs.get(layout)
         if program is None:
@@ -433,7 +437,7 @@ class ModelRunner:
         call_s = time.perf_counter() - start
         # A step's sampled tokens; a window's last live ones, then the whole window's.
         self.tokens = tokens[0]
-        return StepOutput(rows, tokens[-1], shape, compiled, call_s)
+        return StepOutput(rows, tokens[-1], shape, compiled, call_s, prepare_s)
 
     def _compile(self, layout: StepLayout, packed: np.ndarray, shape: StepShape):
         start, hits = time.perf_counter(), cache_hits()

@@ -93,7 +93,8 @@ def test_kernel_breakdown_accounts_for_every_kernel():
 
 def test_fp8_weights_serving_tables_on_the_tiny_model(tmp_path):
     """``--smoke --fp8-weights``: the serving and cache-layout tables of a model whose
-    projections and experts hold float8_e4m3fn weights, under names of their own."""
+    projections and experts hold float8_e4m3fn weights, under names of their own; each
+    decode row's host work by part."""
     env = dict(os.environ, MLA_JAX_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     argv = ["--smoke", "--fp8-weights", "--rows", "decode", "--compile-depths", ""]
@@ -117,6 +118,11 @@ def test_fp8_weights_serving_tables_on_the_tiny_model(tmp_path):
     assert result["title"].endswith("tiny-shaped model with FP8 weights through Engine.generate")
     assert "float8_e4m3fn with 128 x 128 block scales" in result["notes"][0]
     assert [row["cells"][0] for row in result["rows"]] == ["decode 1 x 16", "decode 4 x 16"]
+    for row in result["rows"]:  # the host's work by part, each a share of it
+        for parts in row["host_parts_ms"].values():
+            assert set(parts) == {"batch", "prepare", "call", "rest"}
+            assert all(value >= 0 for value in parts.values()), parts
+            assert parts["prepare"] > 0 and parts["call"] > 0, parts
 
 
 def test_fp8_weights_model_keeps_its_projections_fp8():
