@@ -370,11 +370,12 @@ def _by_weight_split(fp8_matmul, mesh: Mesh):
         layers.check_tensor_split(tensor_split)
         if tensor_split is None or mesh.shape[TENSOR_AXIS] == 1:  # (a psum over 1 is kept)
             return fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
-        lead = (None,) * (weight.ndim - 2)
+        split = _COLUMN_SPLIT if tensor_split == layers.COLUMNS else _ROW_SPLIT
+        weights = P(*(None,) * (weight.ndim - 2), *split)  # as the rules place it
         if tensor_split == layers.COLUMNS:
-            rows, weights, out = P(), P(*lead, None, TENSOR_AXIS), P(None, TENSOR_AXIS)
+            rows, out = P(), P(None, TENSOR_AXIS)
         else:
-            rows, weights, out = P(None, TENSOR_AXIS), P(*lead, TENSOR_AXIS, None), P()
+            rows, out = P(None, TENSOR_AXIS), P()
         # A layer known at trace time stays a Python int (the kernel checks its range).
         operands = [] if layer is None or isinstance(layer, int) else [layer]
 
