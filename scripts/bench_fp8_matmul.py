@@ -11,7 +11,9 @@ set: ``fp8_matmul.fastest`` for the projections, the grouped matmul with the tun
 configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
 its relative error against the reference (the weights dequantized, then one matmul), and for
 the projections the alternative the product did not pick at that row count: the Pallas
-kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS).
+kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS); for the MoE
+layer at prefill, its experts on the Mosaic GPU grouped matmul
+(``grouped_matmul.prefill_on_mosaic_gpu``, in no kernel set yet).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -20,8 +22,8 @@ one matmul and as K split into 2-16 slices (``layers.split_k_dot``), each weight
 stacked ``[layers, K, N]`` array as the decode step reads it, beside the copy bandwidth:
 the measurement behind ``layers.k_splits`` (``benchmarks/tuning/split_k_sweep.json``).
 
-``--smoke``: V3's layer shrunk (hidden 32, 16 experts of width 24) and small projections, few
-tokens, on the CPU, results under --out only.
+``--smoke``: V3's layer shrunk (hidden 128, 16 experts of width 64, 64 x 64 scale blocks)
+and small projections, few tokens, on the CPU, results under --out only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
+from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
+from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.model.config import MoEConfig, moe_preset
 from mla_jax.model.layers import Linear, k_splits, split_k_dot
 from mla_jax.model.moe import MoE
@@ -74,10 +78,10 @@ FULL = Sizes(
     projection_tokens=(1, 64, 8192),
 )
 SMOKE = Sizes(
-    moe=dataclasses.replace(V3, hidden_size=32, n_routed_experts=16, moe_intermediate_size=24),
+    moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64),
     projections={"q_a_proj": (64, 48), "o_proj": (40, 64)},
-    tokens=(4, 40),
-    blocks=(16, 16),
+    tokens=(4, 160),  # 80 rows an expert at prefill: the Mosaic GPU kernel's regime
+    blocks=(64, 64),
     projection_tokens=(1, 300),
 )
 
@@ -113,6 +117,8 @@ ALTERNATIVES = {
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
 }
+# The MoE layer's alternative at prefill: its routed experts on the Mosaic GPU kernel.
+MOSAIC_EXPERTS = kernels.TRITON._replace(grouped_matmul=gm.prefill_on_mosaic_gpu)
 
 
 def _jitted(module: nnx.Module, impl, **kwargs):
@@ -172,9 +178,34 @@ def moe_rows(sizes: Sizes) -> list[dict]:
         args = [(jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16),) for k in keys]
         fp8_fn = _jitted(fp8, "pallas", layer_in_run=0)
         r = _compare(_jitted(bf16, "pallas"), fp8_fn, args, error_fns)
+        if gm.GroupedMatmulConfig.regime(
+            tokens * cfg.num_experts_per_tok, cfg.n_routed_experts
+        ) == ("prefill"):
+            r.update(_mosaic_experts(fp8, small, sizes.blocks, tokens, args))
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))
     return rows
+
+
+def _mosaic_experts(fp8: MoE, small: MoE, blocks, tokens: int, args) -> dict:
+    """The FP8 layer with its routed experts on the Mosaic GPU grouped matmul: ``other`` (its
+    time, for the table) and its error against the reference on the 16-expert layer; where
+    the kernel cannot take the experts, why."""
+    experts = fp8.experts
+    rows = jnp.zeros((tokens * fp8.cfg.num_experts_per_tok, fp8.cfg.hidden_size), jnp.bfloat16)
+    for name, parts in (("gate_up_proj", 2), ("down_proj", 1)):
+        weight = getattr(experts, name)[...]
+        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_width(weight.shape[-1])
+        reason = gm.pallas_mosaic_gpu.unsupported(
+            rows, weight, config, fp8_blocks.Fp8Blocks(*blocks, parts=parts)
+        )
+        if reason is not None:
+            return {"other_unavailable": f"mosaic n/a ({reason})"}
+    timing = time_us(_jitted(fp8, MOSAIC_EXPERTS, layer_in_run=0), args, reps=10)
+    got = np.asarray(_jitted(small, MOSAIC_EXPERTS)(*args[0]), np.float64)
+    want = np.asarray(_jitted(small, "reference")(*args[0]), np.float64)
+    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return {"other": ("mosaic", timing), "mosaic_rel_err": error}
 
 
 def projection_rows(sizes: Sizes) -> list[dict]:
@@ -205,7 +236,7 @@ def _row(name: str, tokens: int, r: dict) -> dict:
         cells += [f"{other} {timing.us:.1f} ({timing.us / r['bf16'].us:.2f}x)"]
         timings[other] = timing
     else:
-        cells += [""]
+        cells += [r.get("other_unavailable", "")]
     return row(cells, **timings)
 
 
@@ -281,8 +312,11 @@ def tables(args) -> None:
             "projections through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
             "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
-            "the projection's other path at that row count (10 calls). Times: medians of the "
-            "summed CUPTI kernel durations of warm calls over 3 rotating inputs.",
+            "the projection's other path at that row count (10 calls); the MoE layer at "
+            "prefill: its routed experts on the Mosaic GPU grouped matmul "
+            "(grouped_matmul/pallas_mosaic_gpu.py, in no kernel set yet; its error in the "
+            "JSON). Times: medians of the summed CUPTI kernel durations of warm calls over 3 "
+            "rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation).",
         ],

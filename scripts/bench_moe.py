@@ -8,12 +8,13 @@ Decode (64 tokens): the layer's time against the memory roofline of the weights 
 (the experts the batch chose, the shared experts and the router) at the copy bandwidth
 measured in the same run. Prefill (8192 tokens): the routed experts' rate (sort, two grouped
 matmuls, weighted combine) against a dense bf16 matmul of the same FLOPs measured in the same
-run. Per row also the router alone and the whole layer. Before timing, the Pallas grouped
-matmul is checked against the reference (``jax.lax.ragged_dot``) with each of its default
-launch configurations. ``--sweep`` times launch variants of the grouped matmul instead
-(written only under --out). ``--smoke``: the same tables and sweep with V3's layer shrunk
-(hidden 32, 16 experts of width 24; its routing unchanged) and few tokens on the CPU,
-results under --out only.
+run. Per row also the router alone and the whole layer, and at prefill the routed experts
+on the Mosaic GPU grouped matmul (``grouped_matmul.prefill_on_mosaic_gpu``; where it cannot
+run, the cell says why). Before timing, the Pallas grouped matmul is checked against the
+reference (``jax.lax.ragged_dot``) with each of its default launch configurations.
+``--sweep`` times launch variants of the grouped matmul instead (written only under --out).
+``--smoke``: the same tables and sweep with V3's layer shrunk (hidden 128, 16 experts of
+width 64; its routing unchanged) and few tokens on the CPU, results under --out only.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Sizes:
 
 def _shrunk(cfg: MoEConfig) -> MoEConfig:
     """``cfg``'s routing (scoring, top-k, groups) on a layer small enough to interpret."""
-    return dataclasses.replace(cfg, hidden_size=32, n_routed_experts=16, moe_intermediate_size=24)
+    return dataclasses.replace(cfg, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64)
 
 
 FULL = Sizes(
@@ -72,7 +73,7 @@ FULL = Sizes(
 SMOKE = Sizes(
     layers={"DeepSeek-V3": _shrunk(V3)},
     decode_tokens=8,
-    prefill_tokens=64,
+    prefill_tokens=160,  # 80 rows an expert: a prefill's, which the Mosaic GPU kernel takes
     check_experts=4,
 )
 
@@ -236,6 +237,32 @@ def prefill_case(layer: Layer, tokens: int, grouped_matmul=None) -> dict:
     return result
 
 
+def mosaic_prefill_case(layer: Layer, tokens: int, triton: dict) -> dict:
+    """The routed experts at prefill on the Mosaic GPU grouped matmul (``triton``: the same
+    case's ``prefill_case``), with its error against the reference; where the kernel cannot
+    run, why (the table's cell)."""
+    cfg = layer.cfg
+    x = _tokens(cfg, tokens, 4)
+    rows = jnp.zeros((tokens * cfg.num_experts_per_tok, cfg.hidden_size), jnp.bfloat16)
+    for weight in (layer.module.experts.gate_up_proj, layer.module.experts.down_proj):
+        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_width(weight.shape[-1])
+        reason = gm.pallas_mosaic_gpu.unsupported(rows, weight[...], config)
+        if reason is not None:
+            return {"cell": f"n/a ({reason})"}
+    expert_ids, weights = layer.router_fn()(*layer.router_args(x))
+    args = layer.experts_args(x, expert_ids, weights)
+    mosaic = layer.experts_fn(gm.prefill_on_mosaic_gpu)
+    t = time_us(mosaic, [args])
+    want = layer.experts_fn(kernels.REFERENCE.grouped_matmul)(*args)
+    return {
+        "experts_us": t.us,
+        "of_triton": t.us / triton["experts_us"],
+        "rel_err_vs_reference": _rel_err(mosaic(*args), want),
+        "experts_timing": t,
+        "cell": f"{t.us:.0f} ({t.us / triton['experts_us']:.2f}x)",
+    }
+
+
 # Launch variants around GroupedMatmulConfig.for_shape: decode (16-row tiles) and prefill (128-row).
 SWEEP = {
     "decode": [
@@ -310,7 +337,9 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             )
         )
         r = prefill_case(layer, sizes.prefill_tokens)
-        print(json.dumps(jsonable(r)), flush=True)
+        mosaic = mosaic_prefill_case(layer, sizes.prefill_tokens, r)
+        print(json.dumps(jsonable(r)), json.dumps(jsonable(mosaic)), flush=True)
+        timings = {} if "experts_timing" not in mosaic else {"mosaic": mosaic["experts_timing"]}
         prefill_rows.append(
             row(
                 [
@@ -323,11 +352,13 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
                     round(r["dense_TFLOP/s"]),
                     f"{100 * r['of_dense']:.0f}%",
                     round(r["layer_TFLOP/s"]),
+                    mosaic["cell"],
                 ],
                 layer=r["timing"],
                 experts=r["experts_timing"],
                 router=r["router_timing"],
                 dense=r["dense_timing"],
+                **timings,
             )
         )
         del layer
@@ -379,6 +410,7 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             "dense TFLOP/s",
             "of dense",
             "layer TFLOP/s",
+            "experts us, Mosaic GPU (/ Triton)",
         ],
         prefill_rows,
         [
@@ -386,6 +418,9 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             "experts' time (sort, two grouped matmuls, weighted combine); dense: a bf16 "
             "[tokens x top-k, hidden] @ [hidden, 3 x expert width] matmul (the same FLOPs) in "
             "the same run.",
+            "Mosaic GPU: the routed experts with both grouped matmuls on the Mosaic GPU kernel "
+            "(grouped_matmul/pallas_mosaic_gpu.py, in no kernel set yet), over the Triton "
+            "kernel's experts us; its error against the reference is in the JSON.",
             *common,
         ],
         out_dir=out_dir,

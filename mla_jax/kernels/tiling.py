@@ -6,6 +6,11 @@ offsets[s + 1])``, and the rows ``[offsets[S], num_rows)`` after them form a pad
 ``S``. Each segment is cut into tiles of at most ``rows_per_tile`` rows, so that a tile never
 straddles two segments and a kernel program handles one tile. The plan runs on the host
 (NumPy, exact tile count) or traced on the device (jnp, a static bound on the count).
+
+With ``align`` > 1 a segment's tiles are cut from its first row rounded down to a multiple
+of ``align`` (its first tile then holds fewer rows): a kernel whose copies must start at
+such a row (a TMA copy into 8-row tiles of shared memory) copies from there, and a tile's
+rows still fit one copy of ``rows_per_tile`` rows.
 """
 
 from __future__ import annotations
@@ -22,19 +27,21 @@ class TileSchedule:
     """Tile ``t`` covers rows ``[tile_start[t], tile_end[t])`` of segment
     ``tile_segment[t]`` (``S``, one past the last segment, for padding rows); tiles past the
     real ones are empty (``tile_start == tile_end == 0``) and do nothing. ``rows_per_tile``
-    is the tile height the kernel runs with."""
+    is the tile height the kernel runs with; ``align``: a tile's rows lie within
+    ``rows_per_tile`` rows from its start rounded down to a multiple of it."""
 
     tile_segment: jax.Array  # [num_tiles] int32
     tile_start: jax.Array  # [num_tiles] int32
     tile_end: jax.Array  # [num_tiles] int32
     rows_per_tile: int = dataclasses.field(metadata={"static": True})
+    align: int = dataclasses.field(default=1, metadata={"static": True})
 
 
-def max_tiles(num_rows: int, num_segments: int, rows_per_tile: int) -> int:
+def max_tiles(num_rows: int, num_segments: int, rows_per_tile: int, align: int = 1) -> int:
     """A static bound on the tile count of ``num_segments`` segments and the padding after
     them, ``num_rows`` rows in all: each segment (the padding included) adds at most one
-    partial tile."""
-    return -(-num_rows // rows_per_tile) + num_segments
+    partial tile, and with ``align`` its first tile reaches back up to ``align - 1`` rows."""
+    return -(-(num_rows + (num_segments + 1) * (align - 1)) // rows_per_tile) + num_segments
 
 
 def schedule_tiles(
@@ -44,6 +51,7 @@ def schedule_tiles(
     *,
     heaviest_first: bool = False,
     num_tiles: int | None = None,
+    align: int = 1,
     xp=np,
 ) -> TileSchedule:
     """Tiles of ``rows_per_tile`` rows per segment of ``offsets [S + 1]`` (int, rising,
@@ -51,11 +59,12 @@ def schedule_tiles(
     ``heaviest_first``, ordered by descending row offset within the segment instead (a causal
     tile's work grows with it), so that the longest tiles start first, padding last.
     ``xp=np`` on the host (``num_tiles`` defaults to the exact count) or ``xp=jnp`` traced,
-    with ``num_tiles`` a static bound (``max_tiles``)."""
+    with ``num_tiles`` a static bound (``max_tiles``). ``align``: see the module's docstring."""
     offsets = xp.asarray(offsets).astype(xp.int32)
     starts = xp.concatenate([offsets[:-1], offsets[-1:]])
     ends = xp.concatenate([offsets[1:], xp.full(1, num_rows, xp.int32)])
-    counts = -(-(ends - starts) // rows_per_tile)
+    aligned = starts - starts % align  # where a segment's tiles are cut from
+    counts = xp.where(ends > starts, -(-(ends - aligned) // rows_per_tile), 0)
     first = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts).astype(xp.int32)])
     if num_tiles is None:
         num_tiles = int(first[-1])
@@ -63,11 +72,16 @@ def schedule_tiles(
     segment = xp.clip(xp.searchsorted(first, tile, side="right") - 1, 0, counts.shape[0] - 1)
     real = tile < first[-1]
     offset = (tile - first[segment]) * rows_per_tile
-    start = xp.where(real, starts[segment] + offset, 0)
-    end = xp.where(real, xp.minimum(start + rows_per_tile, ends[segment]), 0)
+    cut = aligned[segment] + offset
+    start = xp.where(real, xp.maximum(cut, starts[segment]), 0)
+    end = xp.where(real, xp.minimum(cut + rows_per_tile, ends[segment]), 0)
     if heaviest_first:
         order = xp.argsort(-xp.where(real, offset, -1), stable=True)
         segment, start, end = segment[order], start[order], end[order]
     return TileSchedule(
-        segment.astype(xp.int32), start.astype(xp.int32), end.astype(xp.int32), rows_per_tile
+        segment.astype(xp.int32),
+        start.astype(xp.int32),
+        end.astype(xp.int32),
+        rows_per_tile,
+        align,
     )

@@ -102,27 +102,30 @@ def test_group_offset_reads_only_its_layer(impl, layers_axis, rng):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < TOL[jnp.float32]
 
 
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_plan_tiles_each_row_once_within_its_group(block_m, rng):
+def test_plan_tiles_each_row_once_within_its_group(block_m, align, rng):
     """Every row is in exactly one tile, a tile holds rows of one group (or only padding
     rows), groups without rows get no tile (their weights are never read), the count stays
-    under ``max_tiles``, and the traced plan is the host plan followed by empty tiles."""
+    under ``max_tiles``, and the traced plan is the host plan followed by empty tiles. With
+    ``align``, a tile's rows lie within ``block_m`` of its start rounded down to it."""
     sizes = rng.integers(0, 3 * block_m, 12) * (rng.random(12) < 0.7)
     rows = int(sizes.sum()) + 5
-    host = gm.schedule_row_tiles(sizes, rows, block_m)
-    bound = tiling.max_tiles(rows, len(sizes), block_m)
-    assert host.tile_segment.shape[0] <= bound
+    host = gm.schedule_row_tiles(sizes, rows, block_m, align=align)
+    bound = tiling.max_tiles(rows, len(sizes), block_m, align)
+    assert host.tile_segment.shape[0] <= bound and host.align == align
     offsets = np.concatenate([[0], np.cumsum(sizes), [rows]])
     covered = np.zeros(rows, int)
     for g, lo, hi in zip(host.tile_segment, host.tile_start, host.tile_end, strict=True):
-        assert 0 < hi - lo <= block_m and offsets[g] <= lo and hi <= offsets[g + 1]
+        assert lo < hi and hi - (lo - lo % align) <= block_m
+        assert offsets[g] <= lo and hi <= offsets[g + 1]
         covered[lo:hi] += 1
     np.testing.assert_array_equal(covered, 1)
     groups_with_tiles = set(host.tile_segment[host.tile_segment < len(sizes)].tolist())
     assert groups_with_tiles == set(np.flatnonzero(sizes).tolist())
-    traced = jax.jit(lambda s: gm.schedule_row_tiles(s, rows, block_m, num_tiles=bound, xp=jnp))(
-        jnp.asarray(sizes, jnp.int32)
-    )
+    traced = jax.jit(
+        lambda s: gm.schedule_row_tiles(s, rows, block_m, num_tiles=bound, align=align, xp=jnp)
+    )(jnp.asarray(sizes, jnp.int32))
     n = host.tile_segment.shape[0]
     for field in ("tile_segment", "tile_start", "tile_end"):
         mine = np.asarray(getattr(traced, field))

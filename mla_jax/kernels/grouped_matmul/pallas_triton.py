@@ -91,17 +91,26 @@ class GroupedMatmulConfig:
 
 
 def schedule_row_tiles(
-    group_sizes, num_rows: int, rows_per_tile: int, *, num_tiles: int | None = None, xp=np
+    group_sizes,
+    num_rows: int,
+    rows_per_tile: int,
+    *,
+    num_tiles: int | None = None,
+    align: int = 1,
+    xp=np,
 ) -> tiling.TileSchedule:
     """The row tiles of groups of ``group_sizes [G]`` rows (and of the padding rows after
     them up to ``num_rows``): ``rows_per_tile`` rows of one group each, in group order. Group
     sizes past ``num_rows`` rows are cut at ``num_rows``. ``xp=np`` on the host, or ``xp=jnp``
     traced with ``num_tiles`` a static bound (``tiling.max_tiles(num_rows, G,
-    rows_per_tile)``)."""
+    rows_per_tile, align)``). ``align``: each group's tiles cut from its first row rounded
+    down to a multiple of it (``tiling``; the Mosaic GPU kernel's copies need 8)."""
     sizes = xp.asarray(group_sizes).astype(xp.int32)
     ends = xp.minimum(xp.cumsum(sizes).astype(xp.int32), num_rows)
     offsets = xp.concatenate([xp.zeros(1, xp.int32), ends])
-    return tiling.schedule_tiles(offsets, num_rows, rows_per_tile, num_tiles=num_tiles, xp=xp)
+    return tiling.schedule_tiles(
+        offsets, num_rows, rows_per_tile, num_tiles=num_tiles, align=align, xp=xp
+    )
 
 
 def _grouped_matmul_kernel(

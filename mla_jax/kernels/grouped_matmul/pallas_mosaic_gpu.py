@@ -1,0 +1,467 @@
+"""The grouped matmul on Mosaic GPU (Hopper, sm90) for many rows a group: the routed experts'
+matmuls at prefill, over bf16 or FP8 (DeepSeek's 128 x 128 block scales) weights.
+
+The contract is the Triton kernel's (``pallas_triton.grouped_matmul``): rows sorted by group,
+``out[r] = lhs[r] @ rhs[group_offset + g]`` for the rows r of group g, zeros for the rows
+after the last group, the same row tiles (``schedule_row_tiles``: a tile holds rows of one
+group) and the same stacked ``rhs``. What differs is how a tile is computed:
+
+- A program owns one row tile and ``2 x block_n`` output columns: a memory warpgroup copies
+  the tile's ``[block_m, block_k]`` rows of lhs and the ``[block_k, 2 x block_n]`` weight
+  tile by TMA, ``stages`` steps ahead, and two compute warpgroups multiply (wgmma), each
+  into its own ``[block_m, block_n]`` float32 accumulator: the columns are split between
+  them, so neither waits for the other.
+- A tile's copy of lhs starts at a multiple of 8 rows (TMA into 8-row tiles of shared
+  memory): a group's tiles are cut from its first row rounded down (``schedule_row_tiles(...,
+  align=8)``), and a tile that would run past the last row is copied from ``M - block_m``.
+  The copy's rows of other groups are computed and not stored. The rows are
+  stored from shared memory by TMA copies of 2^i rows each, one for each bit of the row
+  count (a copy's box is static, the count is not).
+- FP8 weights: each compute warpgroup converts its half of the step's e4m3 tile, times the
+  step's block scale (one number: a step lies in one scale block), into a bf16 tile in
+  shared memory, then multiplies it. The conversion rounds as the reference's dequantized
+  weight does (e4m3 x scale in float32, then bf16), and is amortized over the tile's rows
+  (the skinny matmul, with a few rows, converts for each of them). Each warpgroup has two
+  converted tiles: it converts a step while its wgmma of the step before still reads the
+  other.
+- A tile with no group's rows (padding rows after the groups) stores zeros and reads no
+  weight; a tile past the real ones does nothing.
+
+Where the Triton kernel is the one to run (decode's few rows a group, shapes that do not
+tile) is the kernel set's choice; this kernel refuses what it does not take
+(``unsupported``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .. import fp8_blocks, mosaic_gpu, online_softmax, tiling
+from .pallas_triton import check, schedule_row_tiles, stacked_groups
+
+SMEM_BYTES = 232448  # an sm90 program's shared memory (227 KB)
+CONVERT_COLUMNS = 64  # an FP8 tile's columns a conversion loads: its 64-byte swizzle rows
+COMPUTE_WARPGROUPS = 2  # each owns block_n of a program's output columns
+ROW_ALIGN = 8  # a tile's copy of lhs starts at a multiple of this row (its 8-row tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGroupedMatmulConfig:
+    """Launch of the Mosaic GPU grouped matmul.
+
+    block_m: rows a tile (64 or 128: the wgmma's M, once or twice).
+    block_n: output columns a compute warpgroup (a multiple of 64; a program has two).
+    block_k: K a pipeline step (a multiple of 64; over FP8 it divides the scale blocks).
+    stages: pipeline steps in flight (None: as many as shared memory holds, up to 4).
+    approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int | None = None
+    approx_math: bool = True
+    auto_barriers: bool = False
+
+    @classmethod
+    def for_width(cls, width: int) -> MosaicGroupedMatmulConfig:
+        """The defaults, with 64-column warpgroup blocks where N is not whole 256-column
+        programs (a narrow test layer's; DeepSeek's expert widths are)."""
+        return cls() if width % (COMPUTE_WARPGROUPS * 128) == 0 else cls(block_n=64)
+
+
+def shared_memory(config: MosaicGroupedMatmulConfig, stages: int, fp8_weights: bool) -> int:
+    """Bytes of shared memory a program takes: the ring of lhs and weight tiles; each compute
+    warpgroup's output tile (bf16), over FP8 sharing its bytes with its two converted tiles."""
+    width = COMPUTE_WARPGROUPS * config.block_n
+    ring = stages * (config.block_m * 2 + width * (1 if fp8_weights else 2)) * config.block_k
+    out = config.block_m * config.block_n * 2
+    if fp8_weights:
+        out = max(out, 2 * config.block_k * config.block_n * 2)
+    return ring + COMPUTE_WARPGROUPS * out
+
+
+def stages_for(config: MosaicGroupedMatmulConfig, fp8_weights: bool) -> int:
+    """``config.stages``, or the most (up to 4) that fit shared memory; 0: none fits."""
+    if config.stages is not None:
+        return config.stages
+    stages = 4
+    while stages and shared_memory(config, stages, fp8_weights) > SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
+def _check_launch(
+    depth: int,
+    width: int,
+    config: MosaicGroupedMatmulConfig,
+    blocks: fp8_blocks.Fp8Blocks | None,
+) -> None:
+    """ValueError, in one line, where a ``[K, N] = [depth, width]`` weight does not tile under
+    ``config``."""
+    if config.block_m not in (64, 128):
+        raise ValueError(f"grouped_matmul (Mosaic GPU): block_m {config.block_m} is not 64 or 128")
+    if config.block_n < 64 or config.block_n % 64 or config.block_k < 64 or config.block_k % 64:
+        raise ValueError(
+            f"grouped_matmul (Mosaic GPU): block_n {config.block_n} and block_k "
+            f"{config.block_k} must be multiples of 64"
+        )
+    if width % (COMPUTE_WARPGROUPS * config.block_n) or depth % config.block_k:
+        raise ValueError(
+            f"grouped_matmul (Mosaic GPU): weight [{depth}, {width}] is not whole steps of "
+            f"{config.block_k} and programs of {COMPUTE_WARPGROUPS * config.block_n} columns"
+        )
+    if blocks is not None and (
+        blocks.block_in % config.block_k
+        or blocks.block_out % config.block_n
+        or (width // blocks.parts) % blocks.block_out
+    ):
+        raise ValueError(
+            f"grouped_matmul (Mosaic GPU): steps [{config.block_k}, {config.block_n}] do not "
+            f"lie in whole scale blocks of {blocks}"
+        )
+    stages = stages_for(config, blocks is not None)
+    if stages < 1 or shared_memory(config, stages, blocks is not None) > SMEM_BYTES:
+        raise ValueError(
+            f"grouped_matmul (Mosaic GPU): {config} needs "
+            f"{shared_memory(config, max(stages, 1), blocks is not None)} bytes of shared "
+            f"memory (has {SMEM_BYTES})"
+        )
+
+
+def unsupported(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    config: MosaicGroupedMatmulConfig | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
+) -> str | None:
+    """Why the kernel cannot run this product here (None: it can): an lhs not bfloat16, a
+    weight that does not tile, or a device or jax that does not run Mosaic GPU kernels."""
+    if lhs.dtype != jnp.bfloat16:
+        return f"lhs is {lhs.dtype}, not bfloat16"
+    try:
+        _check_launch(*rhs.shape[-2:], config or MosaicGroupedMatmulConfig(), blocks)
+    except ValueError as error:
+        return str(error).removeprefix("grouped_matmul (Mosaic GPU): ")
+    return mosaic_gpu.device_unsupported()
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    group_offset: int | jax.Array = 0,
+    rhs_scale_inv: jax.Array | None = None,
+    blocks: fp8_blocks.Fp8Blocks | None = None,
+    schedule: tiling.TileSchedule | None = None,
+    config: MosaicGroupedMatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Grouped matmul over rows sorted by group, on Mosaic GPU.
+
+    Args:
+      lhs: ``[M, K]`` bfloat16, rows sorted by group.
+      rhs: ``[G', K, N]`` bfloat16, or float8_e4m3fn with ``rhs_scale_inv`` and ``blocks``
+        (``fp8_blocks``: whole blocks, each holding whole steps); leading axes stack
+        (``[L, E, K, N]`` is ``[L * E, K, N]``). K a multiple of ``config.block_k``, N of
+        ``2 x config.block_n``.
+      group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
+      group_offset: int32 scalar (may be traced): group g's rows multiply
+        ``rhs[group_offset + g]``.
+      schedule: the row tiles (``schedule_row_tiles`` with ``config.block_m`` rows a tile);
+        None plans them on the device, up to ``tiling.max_tiles``.
+      config: the launch (None: the defaults).
+      interpret: Mosaic GPU's interpret mode (None: off a GPU).
+
+    Returns:
+      ``out [M, N]`` bfloat16, accumulated in float32: ``lhs[r] @ rhs[g]`` (FP8: ``lhs[r] @
+      dequantize(rhs[g])``, the weight rounded into bf16 as the reference rounds it) for the
+      rows r of group g, 0 for the rows after the last group.
+    """
+    rhs, rhs_scale_inv = stacked_groups(rhs, rhs_scale_inv)
+    check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
+    config = config or MosaicGroupedMatmulConfig()
+    reason = unsupported(lhs, rhs, config, blocks)
+    if reason is not None and not reason.startswith("on "):  # a device's reason waits for it
+        raise ValueError(f"grouped_matmul (Mosaic GPU): {reason}")
+    if schedule is not None and (
+        schedule.rows_per_tile != config.block_m or schedule.align % ROW_ALIGN
+    ):
+        raise ValueError(
+            f"grouped_matmul (Mosaic GPU): a schedule of {schedule.rows_per_tile}-row tiles "
+            f"aligned to {schedule.align} rows for block_m {config.block_m} (schedule_row_tiles"
+            f"(..., align={ROW_ALIGN}))"
+        )
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    return _grouped_matmul(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        rhs_scale_inv,
+        schedule,
+        blocks=blocks,
+        config=config,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
+def _grouped_matmul(
+    lhs, rhs, group_sizes, group_offset, rhs_scale_inv, schedule, *, blocks, config, interpret
+):
+    m = lhs.shape[0]
+    num_groups = group_sizes.shape[0]
+    if schedule is None:
+        schedule = schedule_row_tiles(
+            group_sizes,
+            m,
+            config.block_m,
+            num_tiles=tiling.max_tiles(m, num_groups, config.block_m, ROW_ALIGN),
+            align=ROW_ALIGN,
+            xp=jnp,
+        )
+    # A tile's copy starts at a multiple of ROW_ALIGN rows, at most block_m rows before the
+    # end: lhs is padded to whole ROW_ALIGN rows (the MoE layer's rows, tokens x top-k,
+    # mostly are) and to at least one tile (a short prompt's).
+    rows = max(-(-m // ROW_ALIGN) * ROW_ALIGN, config.block_m)
+    lhs = online_softmax.pad_to(lhs, (rows, lhs.shape[1]))
+    width = rhs.shape[2]
+    stages = stages_for(config, blocks is not None)
+    fp8_weights = blocks is not None
+    out_tile = plgpu.SMEM((config.block_m, config.block_n), lhs.dtype)
+    if fp8_weights:
+        converted = plgpu.SMEM(
+            (2, config.block_k, config.block_n), jnp.bfloat16, transforms=_swizzled(64, 2)
+        )
+        # A warpgroup's output tile takes its converted tiles' bytes: written after its last
+        # product.
+        scratch = dict(tiles=[plgpu.RefUnion(converted, out_tile)] * COMPUTE_WARPGROUPS)
+    else:
+        scratch = dict(tiles=[out_tile] * COMPUTE_WARPGROUPS)
+    num_warpgroups = COMPUTE_WARPGROUPS + 1  # beside one that copies
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel, num_groups=num_groups, config=config, stages=stages, blocks=blocks
+        ),
+        out_type=jax.ShapeDtypeStruct((rows, width), lhs.dtype),
+        scratch_types=scratch,
+        grid=(width // (COMPUTE_WARPGROUPS * config.block_n), schedule.tile_segment.shape[0]),
+        grid_names=("n", "tile"),
+        num_threads=num_warpgroups,
+        thread_name="wg",
+        **mosaic_gpu.kernel_options(config, interpret, num_warpgroups),
+    )
+    scales = () if blocks is None else (rhs_scale_inv,)
+    out = jax.named_call(kernel, name="grouped_matmul_mosaic_gpu")(
+        schedule.tile_segment,
+        schedule.tile_start,
+        schedule.tile_end,
+        group_offset,
+        lhs,
+        rhs,
+        *scales,
+    )
+    return out[:m]
+
+
+def _swizzled(row_elements: int, itemsize: int) -> tuple:
+    """A tile's transforms for TMA and wgmma: 8-row tiles, the widest swizzle rows of
+    ``row_elements`` allow."""
+    swizzle = plgpu.find_swizzle(row_elements * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(
+    segment_gmem,
+    start_gmem,
+    end_gmem,
+    offset_gmem,
+    lhs_gmem,
+    rhs_gmem,
+    *refs,
+    num_groups: int,
+    config: MosaicGroupedMatmulConfig,
+    stages: int,
+    blocks: fp8_blocks.Fp8Blocks | None,
+    tiles,
+):
+    """One program: row tile ``tile`` of the schedule x columns ``[n0, n0 + 2 block_n)``."""
+    *scale_gmem, out_gmem = refs
+    block_m, block_n = config.block_m, config.block_n
+    rows, depth = lhs_gmem.shape
+    width = rhs_gmem.shape[2]
+    tile = lax.axis_index("tile")
+    n0 = lax.axis_index("n") * COMPUTE_WARPGROUPS * block_n
+    segment, r0, r1 = segment_gmem[tile], start_gmem[tile], end_gmem[tile]
+    has_group = (segment < num_groups) & (r0 < r1)
+    group = offset_gmem[0] + jnp.minimum(segment, num_groups - 1)
+    # The tile's copy starts here: a multiple of ROW_ALIGN (a TMA copy into 8-row tiles of
+    # shared memory), its rows within block_m of it (the schedule's align).
+    first = pl.multiple_of(jnp.minimum(r0 - r0 % ROW_ALIGN, rows - block_m), ROW_ALIGN)
+    if blocks is not None:
+        converted, out_tiles = zip(*tiles, strict=True)
+    else:
+        converted, out_tiles = (), tiles
+
+    def store(wg, values):
+        """Compute warpgroup ``wg``'s columns of the tile's rows ``[r0, r1)``, from
+        ``values [block_m, block_n]`` (the rows of the copy from ``first``)."""
+
+        def write(out_tile):
+            out_tile[...] = values.astype(out_tile.dtype)
+            plgpu.commit_smem()
+            columns = pl.ds(n0 + wg * block_n, block_n)
+            offset, count = r0 - first, r1 - r0
+            size = block_m
+            while size:  # one copy for each set bit of count, the largest first
+
+                @pl.when(count & size != 0)
+                def _(offset=offset, size=size):
+                    plgpu.copy_smem_to_gmem(
+                        out_tile.at[pl.ds(offset, size)],
+                        out_gmem.at[pl.ds(first + offset, size), columns],
+                    )
+
+                offset = offset + (count & size)
+                size //= 2
+            plgpu.wait_smem_to_gmem(0)
+
+        for c in range(COMPUTE_WARPGROUPS):  # a warpgroup writes its own tile
+            pl.when(wg == c)(functools.partial(write, out_tiles[c]))
+
+    @pl.when(has_group)
+    def _():
+        _run_pipeline(
+            lhs_gmem.at[pl.ds(first, block_m)],
+            rhs_gmem.at[group, :, pl.ds(n0, COMPUTE_WARPGROUPS * block_n)],
+            scale_gmem[0].at[group] if blocks is not None else None,
+            converted,
+            store,
+            n0=n0,
+            width=width,
+            depth=depth,
+            config=config,
+            stages=stages,
+            blocks=blocks,
+        )
+
+    @pl.when(~has_group & (r0 < r1))  # padding rows after the groups: zeros
+    def _():
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < COMPUTE_WARPGROUPS)
+        def _():
+            zeros = jnp.zeros((block_m, block_n), jnp.float32)
+            store(wg, plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
+
+def _run_pipeline(
+    lhs_rows,
+    weight,
+    scales,
+    converted,
+    store,
+    *,
+    n0,
+    width: int,
+    depth: int,
+    config: MosaicGroupedMatmulConfig,
+    stages: int,
+    blocks,
+):
+    """The tile's K steps: ``lhs_rows [block_m, K]`` times ``weight [K, 2 block_n]`` (FP8:
+    with its group's ``scales``), each compute warpgroup's columns stored by ``store``."""
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    steps = depth // block_k
+    wg = lax.axis_index("wg")  # of the compute warpgroups
+    columns = pl.ds(wg * block_n, block_n)
+
+    if blocks is None:
+
+        def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_m, block_n), jnp.float32))
+            def _(acc):
+                run_pipeline(acc)
+                store(wg, acc[...])  # reading the accumulator waits for the last product
+
+        def step(_, lhs_tile, weight_tile, acc):
+            plgpu.wgmma(acc, lhs_tile, weight_tile.at[:, columns])
+            plgpu.wgmma_wait(1)  # the step before's slots go back to the copies
+            return acc
+
+    else:
+        scale_column = fp8_blocks.scale_columns(n0 + wg * block_n, width, blocks)
+
+        def step_scale(i):
+            """Step ``i``'s scale (clamped to the last step)."""
+            return scales[jnp.minimum(i, steps - 1) * block_k // blocks.block_in, scale_column]
+
+        def compute_context(run_pipeline):
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_m, block_n), jnp.float32))
+            def _(acc):
+                run_pipeline((acc, step_scale(0)))
+                store(wg, acc[...])
+
+        def step(indices, lhs_tile, weight_tile, carry):
+            (i,) = indices
+            acc, scale = carry
+            next_scale = step_scale(i + 1)  # in flight while this step converts
+            for c in range(COMPUTE_WARPGROUPS):  # a warpgroup converts into its own tiles
+
+                @pl.when(wg == c)
+                def _(c=c):
+                    target = converted[c].at[i % 2]
+                    _convert(weight_tile.at[:, pl.ds(c * block_n, block_n)], scale, target)
+                    plgpu.wgmma(acc, lhs_tile, target)
+
+            plgpu.wgmma_wait(1)  # the step before's product: its tiles are free again
+            return acc, next_scale
+
+    itemsize = 1 if blocks is not None else 2
+    plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec(
+                (block_m, block_k),
+                lambda k: (0, k),
+                transforms=_swizzled(block_k, 2),
+                delay_release=1,
+            ),
+            plgpu.BlockSpec(
+                (block_k, COMPUTE_WARPGROUPS * block_n),
+                lambda k: (k, 0),
+                transforms=_swizzled(CONVERT_COLUMNS if blocks is not None else 64, itemsize),
+                delay_release=1,
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=COMPUTE_WARPGROUPS,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+    )(lhs_rows, weight)
+
+
+def _convert(tile, scale, converted) -> None:
+    """The e4m3 ``tile [block_k, block_n]`` (shared memory) times ``scale`` into the bf16
+    ``converted`` (computed in float32 and rounded once, as ``fp8_blocks.dequantize``), made
+    visible to the wgmma that reads it."""
+    for first in range(0, tile.shape[1], CONVERT_COLUMNS):
+        columns = pl.ds(first, CONVERT_COLUMNS)
+        values = plgpu.load(
+            tile.at[:, columns], layout=mosaic_gpu.FP8_CONVERT_LAYOUT, optimized=True
+        )
+        converted[:, columns] = (values.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    plgpu.commit_smem()
