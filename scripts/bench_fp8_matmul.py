@@ -79,7 +79,7 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64),
-    projections={"q_a_proj": (64, 48), "o_proj": (40, 64)},
+    projections={"q_a_proj": (64, 48), "o_proj": (40, 64), "mlp.gate_proj": (128, 256)},
     tokens=(4, 160),  # 80 rows an expert at prefill: the Mosaic GPU kernel's regime
     blocks=(64, 64),
     projection_tokens=(1, 300),
@@ -117,8 +117,12 @@ ALTERNATIVES = {
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
 }
-# The MoE layer's alternative at prefill: its routed experts on the Mosaic GPU kernel.
+# The alternatives at prefill on the Mosaic GPU grouped matmul: the MoE layer's routed
+# experts, and a projection as one group.
 MOSAIC_EXPERTS = kernels.TRITON._replace(grouped_matmul=gm.prefill_on_mosaic_gpu)
+MOSAIC_PROJECTIONS = kernels.TRITON._replace(
+    fp8_matmul=kernels.on_whole_weights(fm.prefill_on_mosaic_gpu)
+)
 
 
 def _jitted(module: nnx.Module, impl, **kwargs):
@@ -133,10 +137,7 @@ def _compare(bf16_fn, fp8_fn, args_sets, error_fns) -> dict:
     """Times of the bf16 and FP8 functions over the same inputs, and the FP8 path's error
     against its reference: ``error_fns`` = (the FP8 kernel path, its reference)."""
     bf16, fp8 = time_us(bf16_fn, args_sets), time_us(fp8_fn, args_sets)
-    kernel_fn, reference_fn = error_fns
-    got = np.asarray(kernel_fn(*args_sets[0]), np.float64)
-    want = np.asarray(reference_fn(*args_sets[0]), np.float64)
-    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    error = _rel_err(*error_fns, args_sets[0])
     return {"bf16": bf16, "fp8": fp8, "ratio": fp8.us / bf16.us, "rel_err": error}
 
 
@@ -195,17 +196,22 @@ def _mosaic_experts(fp8: MoE, small: MoE, blocks, tokens: int, args) -> dict:
     rows = jnp.zeros((tokens * fp8.cfg.num_experts_per_tok, fp8.cfg.hidden_size), jnp.bfloat16)
     for name, parts in (("gate_up_proj", 2), ("down_proj", 1)):
         weight = getattr(experts, name)[...]
-        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_width(weight.shape[-1])
-        reason = gm.pallas_mosaic_gpu.unsupported(
-            rows, weight, config, fp8_blocks.Fp8Blocks(*blocks, parts=parts)
+        weight_blocks = fp8_blocks.Fp8Blocks(*blocks, parts=parts)
+        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(
+            weight.shape[-1], weight_blocks
         )
+        reason = gm.pallas_mosaic_gpu.unsupported(rows, weight, config, weight_blocks)
         if reason is not None:
-            return {"other_unavailable": f"mosaic n/a ({reason})"}
+            return {"others": [("mosaic", f"n/a ({reason})")]}
     timing = time_us(_jitted(fp8, MOSAIC_EXPERTS, layer_in_run=0), args, reps=10)
-    got = np.asarray(_jitted(small, MOSAIC_EXPERTS)(*args[0]), np.float64)
-    want = np.asarray(_jitted(small, "reference")(*args[0]), np.float64)
-    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-    return {"other": ("mosaic", timing), "mosaic_rel_err": error}
+    error = _rel_err(_jitted(small, MOSAIC_EXPERTS), _jitted(small, "reference"), args[0])
+    return {"others": [("mosaic", timing)], "mosaic_rel_err": error}
+
+
+def _rel_err(kernel_fn, reference_fn, args) -> float:
+    got = np.asarray(kernel_fn(*args), np.float64)
+    want = np.asarray(reference_fn(*args), np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def projection_rows(sizes: Sizes) -> list[dict]:
@@ -221,23 +227,43 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
             # The path the product did not take at this row count.
             other = "pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
-            r["other"] = (other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))
+            r["others"] = [(other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))]
+            if tokens > fm.PALLAS_MAX_ROWS:
+                r.update(_mosaic_projection(fp8, sizes.blocks, tokens, args, r["others"]))
             print(name, tokens, jsonable(r), flush=True)
             rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
     return rows
+
+
+def _mosaic_projection(fp8: Linear, blocks, tokens: int, args, others: list) -> dict:
+    """The projection on the Mosaic GPU grouped matmul as one group, added to ``others``
+    (or why it cannot run), with its error against the reference."""
+    weight, weight_blocks = fp8.kernel[...], fp8_blocks.Fp8Blocks(*blocks)
+    config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(
+        weight.shape[-1], weight_blocks
+    )
+    rows = jnp.zeros((tokens, weight.shape[0]), jnp.bfloat16)
+    reason = gm.pallas_mosaic_gpu.unsupported(rows, weight[None], config, weight_blocks)
+    if reason is not None:
+        others.append(("mosaic", f"n/a ({reason})"))
+        return {}
+    mosaic = _jitted(fp8, MOSAIC_PROJECTIONS)
+    others.append(("mosaic", time_us(mosaic, args, reps=10)))
+    return {"mosaic_rel_err": _rel_err(mosaic, _jitted(fp8, "reference"), args[0])}
 
 
 def _row(name: str, tokens: int, r: dict) -> dict:
     cells = [name, tokens, round(r["bf16"].us, 1), round(r["fp8"].us, 1)]
     cells += [f"{r['ratio']:.2f}x", f"{r['rel_err']:.1e}"]
     timings = dict(bf16=r["bf16"], fp8=r["fp8"])
-    if "other" in r:
-        other, timing = r["other"]
-        cells += [f"{other} {timing.us:.1f} ({timing.us / r['bf16'].us:.2f}x)"]
+    alternatives = []
+    for other, timing in r.get("others", []):
+        if isinstance(timing, str):  # why it could not run
+            alternatives.append(f"{other} {timing}")
+            continue
+        alternatives.append(f"{other} {timing.us:.1f} ({timing.us / r['bf16'].us:.2f}x)")
         timings[other] = timing
-    else:
-        cells += [r.get("other_unavailable", "")]
-    return row(cells, **timings)
+    return row([*cells, "; ".join(alternatives)], **timings)
 
 
 def split_k_trials(shapes: dict, bandwidth_gbs: float) -> list:
@@ -312,11 +338,11 @@ def tables(args) -> None:
             "projections through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
             "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
-            "the projection's other path at that row count (10 calls); the MoE layer at "
-            "prefill: its routed experts on the Mosaic GPU grouped matmul "
-            "(grouped_matmul/pallas_mosaic_gpu.py, in no kernel set yet; its error in the "
-            "JSON). Times: medians of the summed CUPTI kernel durations of warm calls over 3 "
-            "rotating inputs.",
+            "the projection's other path at that row count (10 calls); at prefill also the "
+            "Mosaic GPU grouped matmul (grouped_matmul/pallas_mosaic_gpu.py, in no kernel set "
+            "yet; its error in the JSON): the projection as one group, the FP8 weight read "
+            "in place, and the MoE layer's routed experts. Times: medians of the summed CUPTI "
+            "kernel durations of warm calls over 3 rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation).",
         ],

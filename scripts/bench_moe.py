@@ -245,7 +245,7 @@ def mosaic_prefill_case(layer: Layer, tokens: int, triton: dict) -> dict:
     x = _tokens(cfg, tokens, 4)
     rows = jnp.zeros((tokens * cfg.num_experts_per_tok, cfg.hidden_size), jnp.bfloat16)
     for weight in (layer.module.experts.gate_up_proj, layer.module.experts.down_proj):
-        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_width(weight.shape[-1])
+        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(weight.shape[-1])
         reason = gm.pallas_mosaic_gpu.unsupported(rows, weight[...], config)
         if reason is not None:
             return {"cell": f"n/a ({reason})"}

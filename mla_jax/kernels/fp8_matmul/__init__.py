@@ -11,10 +11,18 @@ import jax
 import jax.numpy as jnp
 
 from .. import fp8, fp8_blocks, matmul_steps, mosaic_gpu, online_softmax
+from ..grouped_matmul import pallas_mosaic_gpu as grouped_mosaic_gpu
 from . import reference
 from .pallas_triton import Fp8MatmulConfig, fp8_matmul
 
-__all__ = ["reference", "Fp8MatmulConfig", "fp8_matmul", "fastest", "PALLAS_MAX_ROWS"]
+__all__ = [
+    "reference",
+    "Fp8MatmulConfig",
+    "fp8_matmul",
+    "fastest",
+    "prefill_on_mosaic_gpu",
+    "PALLAS_MAX_ROWS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +76,36 @@ def _wraps_in_triton(weight: jax.Array, interpret: bool | None) -> bool:
     if interpret is None:
         interpret = online_softmax.interpret_default()
     return not interpret and fp8.wraps_triton_offsets(weight)
+
+
+def prefill_on_mosaic_gpu(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    blocks: fp8_blocks.Fp8Blocks,
+    layer: int | jax.Array | None = None,
+) -> jax.Array:
+    """``fastest``'s signature and result; over ``PALLAS_MAX_ROWS`` rows, where it takes the
+    product, the Mosaic GPU grouped matmul with one group instead (a stack's ``layer`` its
+    group offset: the FP8 weight read in place, no bf16 temporary), else ``fastest`` (said
+    once). In no kernel set yet: ``scripts/bench_fp8_matmul.py`` times it at prefill's rows."""
+    if x.shape[0] > PALLAS_MAX_ROWS:
+        stack, scales, index = matmul_steps.as_stack(weight, scale_inv, layer)
+        config = grouped_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(stack.shape[-1], blocks)
+        reason = grouped_mosaic_gpu.unsupported(x, stack, config, blocks)
+        if reason is None:
+            return grouped_mosaic_gpu.grouped_matmul(
+                x,
+                stack,
+                jnp.full((1,), x.shape[0], jnp.int32),
+                group_offset=index[0],
+                rhs_scale_inv=scales,
+                blocks=blocks,
+                config=config,
+            )
+        mosaic_gpu.log_once(
+            log,
+            f"fp8_matmul: {list(stack.shape[-2:])} not on the Mosaic GPU grouped matmul ({reason})",
+        )
+    return fastest(x, weight, scale_inv, blocks=blocks, layer=layer)

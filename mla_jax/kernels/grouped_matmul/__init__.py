@@ -32,7 +32,7 @@ def prefill_on_mosaic_gpu(
     are a prefill's (``GroupedMatmulConfig.regime``) and it takes the product, else on the
     Triton kernel (said once). In no kernel set yet: ``scripts/bench_moe.py`` and
     ``scripts/bench_fp8_matmul.py`` time it against the Triton kernel."""
-    config = pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_width(rhs.shape[-1])
+    config = pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(rhs.shape[-1], blocks)
     if GroupedMatmulConfig.regime(lhs.shape[0], group_sizes.shape[0]) != "prefill":
         reason = "fewer rows a group than a prefill's"
     else:

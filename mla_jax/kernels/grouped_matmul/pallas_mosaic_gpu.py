@@ -71,10 +71,16 @@ class MosaicGroupedMatmulConfig:
     auto_barriers: bool = False
 
     @classmethod
-    def for_width(cls, width: int) -> MosaicGroupedMatmulConfig:
+    def for_weight(
+        cls, width: int, blocks: fp8_blocks.Fp8Blocks | None = None
+    ) -> MosaicGroupedMatmulConfig:
         """The defaults, with 64-column warpgroup blocks where N is not whole 256-column
-        programs (a narrow test layer's; DeepSeek's expert widths are)."""
-        return cls() if width % (COMPUTE_WARPGROUPS * 128) == 0 else cls(block_n=64)
+        programs or an FP8 weight's scale blocks are narrower than 128 columns (a small test
+        layer's; DeepSeek's weights take the defaults)."""
+        wide = width % (COMPUTE_WARPGROUPS * 128) == 0
+        if blocks is not None:
+            wide = wide and blocks.block_out % 128 == 0
+        return cls() if wide else cls(block_n=64)
 
 
 def shared_memory(config: MosaicGroupedMatmulConfig, stages: int, fp8_weights: bool) -> int:
