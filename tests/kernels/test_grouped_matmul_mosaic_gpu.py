@@ -251,7 +251,7 @@ def test_lowers_for_sm90(fp8):
 def test_deepseek_v3_experts_compiled(rng, k, n, blocks):
     """V3's gate_up and down expert matmuls over 8 of its experts with ragged rows (GPU only:
     too large to interpret)."""
-    sizes = [300, 0, 1, 129, 1000, 64, 7, 250]
+    sizes = [300, 0, 1, 129, 400, 64, 7, 250]
     lhs = jnp.asarray(rng.standard_normal((sum(sizes) + 5, k)), BF16)
     rhs, scales, exact = _weights(rng, len(sizes), k, n, blocks)
     kwargs = {} if blocks is None else dict(rhs_scale_inv=scales, blocks=blocks)

@@ -195,9 +195,9 @@ def grouped_matmul(
     rhs, rhs_scale_inv = stacked_groups(rhs, rhs_scale_inv)
     check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
     config = config or MosaicGroupedMatmulConfig()
-    reason = unsupported(lhs, rhs, config, blocks)
-    if reason is not None and not reason.startswith("on "):  # a device's reason waits for it
-        raise ValueError(f"grouped_matmul (Mosaic GPU): {reason}")
+    if lhs.dtype != jnp.bfloat16:
+        raise ValueError(f"grouped_matmul (Mosaic GPU): lhs is {lhs.dtype}, not bfloat16")
+    _check_launch(*rhs.shape[-2:], config, blocks)
     if schedule is not None and (
         schedule.rows_per_tile != config.block_m or schedule.align % ROW_ALIGN
     ):
