@@ -279,6 +279,14 @@ SWEEP = {
         gm.GroupedMatmulConfig(64, 128, 64, 4, 4),
         gm.GroupedMatmulConfig(128, 128, 32, 4, 4),
     ],
+    # The Mosaic GPU kernel at prefill (grouped_matmul/pallas_mosaic_gpu.py).
+    "prefill_mosaic": [
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_n=64),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_m=64),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(stages=2),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_k=128, stages=2),
+    ],
 }
 
 
@@ -287,14 +295,30 @@ def _sweep(out_dir, sizes: Sizes):
     layer = Layer(next(iter(sizes.layers.values())))
 
     def trial(kind, config):
-        gmm = functools.partial(kernels.TRITON.grouped_matmul, config=config)
+        kernel = kernels.TRITON.grouped_matmul
+        if kind == "prefill_mosaic":
+            kernel = gm.pallas_mosaic_gpu.grouped_matmul
+        gmm = functools.partial(kernel, config=config)
         tokens = sizes.decode_tokens if kind == "decode" else sizes.prefill_tokens
         return prefill_case(layer, tokens, grouped_matmul=gmm)
+
+    def runs(kind, config) -> bool:
+        """Whether the trial's kernel takes the layer's experts here (the Mosaic GPU kernel
+        needs Mosaic GPU, and shapes that tile)."""
+        if kind != "prefill_mosaic":
+            return True
+        experts = layer.module.experts
+        rows = jnp.zeros((1, 1), jnp.bfloat16)
+        return all(
+            gm.pallas_mosaic_gpu.unsupported(rows, weight[...], config) is None
+            for weight in (experts.gate_up_proj, experts.down_proj)
+        )
 
     trials = [
         ({"case": kind}, dataclasses.asdict(config), functools.partial(trial, kind, config))
         for kind, configs in SWEEP.items()
         for config in configs
+        if runs(kind, config)
     ]
     sweep("moe", trials, out_dir)
 

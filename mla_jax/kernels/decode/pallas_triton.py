@@ -91,6 +91,7 @@ class DecodeConfig:
     fp8_compute: str = "bfloat16"
 
     @classmethod
+    @functools.cache  # the host plans a schedule with it every decode step
     def for_shape(cls, num_heads: int, batch: int, quantized: bool = False) -> DecodeConfig:
         """Tuned on an H200 (``scripts/bench_decode.py --sweep``). Up to 64 heads (a power
         of two dividing the padded N) share a program: a [64, 512] float32 accumulator is
