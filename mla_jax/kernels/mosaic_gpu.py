@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
@@ -66,6 +67,30 @@ INTERPRET_POOL_THREADS = 8
 # (the WGMMA layout's two-value accesses conflicted; the decode's 128 heads, 128 x 4096 on
 # an H200: 426 -> 408 us).
 FP8_CONVERT_LAYOUT = plgpu.Layout.WGMMA_8BIT
+SMEM_BYTES = 227 * 1024  # an sm90 program's shared memory
+
+
+def swizzled(row_elements: int, itemsize: int = 2) -> tuple:
+    """A shared-memory tile's transforms for TMA and wgmma: 8-row tiles, the widest swizzle
+    that rows of ``row_elements`` elements of ``itemsize`` bytes allow (128 bytes from 64
+    bf16 elements)."""
+    swizzle = plgpu.find_swizzle(row_elements * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def convert_fp8_tile(tile, converted, chunk_columns: int, scale=None) -> None:
+    """Inside a Mosaic GPU kernel: the e4m3 ``tile [rows, columns]`` (shared memory, swizzled
+    in rows of ``chunk_columns``) into the 16-bit ``converted`` of its shape, ``chunk_columns``
+    at a time; times ``scale`` where given (in float32, rounded once into ``converted``'s
+    dtype), else exactly (e4m3 fits float16 and bf16); made visible to the wgmma that reads
+    it."""
+    for first in range(0, tile.shape[1], chunk_columns):
+        columns = pl.ds(first, chunk_columns)
+        values = plgpu.load(tile.at[:, columns], layout=FP8_CONVERT_LAYOUT, optimized=True)
+        if scale is not None:
+            values = values.astype(jnp.float32) * scale
+        converted[:, columns] = values.astype(converted.dtype)
+    plgpu.commit_smem()
 
 
 def widen_cpu_pool() -> None:

@@ -46,7 +46,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .. import fp8_blocks, mosaic_gpu, online_softmax, tiling
 from .pallas_triton import check, schedule_row_tiles, stacked_groups
 
-SMEM_BYTES = 232448  # an sm90 program's shared memory (227 KB)
 CONVERT_COLUMNS = 64  # an FP8 tile's columns a conversion loads: its 64-byte swizzle rows
 COMPUTE_WARPGROUPS = 2  # each owns block_n of a program's output columns
 ROW_ALIGN = 8  # a tile's copy of lhs starts at a multiple of this row (its 8-row tiles)
@@ -99,7 +98,7 @@ def stages_for(config: MosaicGroupedMatmulConfig, fp8_weights: bool) -> int:
     if config.stages is not None:
         return config.stages
     stages = 4
-    while stages and shared_memory(config, stages, fp8_weights) > SMEM_BYTES:
+    while stages and shared_memory(config, stages, fp8_weights) > mosaic_gpu.SMEM_BYTES:
         stages -= 1
     return stages
 
@@ -134,11 +133,11 @@ def _check_launch(
             f"lie in whole scale blocks of {blocks}"
         )
     stages = stages_for(config, blocks is not None)
-    if stages < 1 or shared_memory(config, stages, blocks is not None) > SMEM_BYTES:
+    if stages < 1 or shared_memory(config, stages, blocks is not None) > mosaic_gpu.SMEM_BYTES:
         raise ValueError(
             f"grouped_matmul (Mosaic GPU): {config} needs "
             f"{shared_memory(config, max(stages, 1), blocks is not None)} bytes of shared "
-            f"memory (has {SMEM_BYTES})"
+            f"memory (has {mosaic_gpu.SMEM_BYTES})"
         )
 
 
@@ -248,7 +247,7 @@ def _grouped_matmul(
     out_tile = plgpu.SMEM((config.block_m, config.block_n), lhs.dtype)
     if fp8_weights:
         converted = plgpu.SMEM(
-            (2, config.block_k, config.block_n), jnp.bfloat16, transforms=_swizzled(64, 2)
+            (2, config.block_k, config.block_n), jnp.bfloat16, transforms=mosaic_gpu.swizzled(64, 2)
         )
         # A warpgroup's output tile takes its converted tiles' bytes: written after its last
         # product.
@@ -279,13 +278,6 @@ def _grouped_matmul(
         *scales,
     )
     return out[:m]
-
-
-def _swizzled(row_elements: int, itemsize: int) -> tuple:
-    """A tile's transforms for TMA and wgmma: 8-row tiles, the widest swizzle rows of
-    ``row_elements`` allow."""
-    swizzle = plgpu.find_swizzle(row_elements * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(
@@ -428,13 +420,19 @@ def _run_pipeline(
                 @pl.when(wg == c)
                 def _(c=c):
                     target = converted[c].at[i % 2]
-                    _convert(weight_tile.at[:, pl.ds(c * block_n, block_n)], scale, target)
+                    mosaic_gpu.convert_fp8_tile(
+                        weight_tile.at[:, pl.ds(c * block_n, block_n)],
+                        target,
+                        CONVERT_COLUMNS,
+                        scale,
+                    )
                     plgpu.wgmma(acc, lhs_tile, target)
 
             plgpu.wgmma_wait(1)  # the step before's product: its tiles are free again
             return acc, next_scale
 
-    itemsize = 1 if blocks is not None else 2
+    fp8_weights = blocks is not None
+    itemsize = 1 if fp8_weights else 2
     plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
@@ -443,13 +441,13 @@ def _run_pipeline(
             plgpu.BlockSpec(
                 (block_m, block_k),
                 lambda k: (0, k),
-                transforms=_swizzled(block_k, 2),
+                transforms=mosaic_gpu.swizzled(block_k, 2),
                 delay_release=1,
             ),
             plgpu.BlockSpec(
                 (block_k, COMPUTE_WARPGROUPS * block_n),
                 lambda k: (k, 0),
-                transforms=_swizzled(CONVERT_COLUMNS if blocks is not None else 64, itemsize),
+                transforms=mosaic_gpu.swizzled(CONVERT_COLUMNS if fp8_weights else 64, itemsize),
                 delay_release=1,
             ),
         ],
@@ -458,16 +456,3 @@ def _run_pipeline(
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )(lhs_rows, weight)
-
-
-def _convert(tile, scale, converted) -> None:
-    """The e4m3 ``tile [block_k, block_n]`` (shared memory) times ``scale`` into the bf16
-    ``converted`` (computed in float32 and rounded once, as ``fp8_blocks.dequantize``), made
-    visible to the wgmma that reads it."""
-    for first in range(0, tile.shape[1], CONVERT_COLUMNS):
-        columns = pl.ds(first, CONVERT_COLUMNS)
-        values = plgpu.load(
-            tile.at[:, columns], layout=mosaic_gpu.FP8_CONVERT_LAYOUT, optimized=True
-        )
-        converted[:, columns] = (values.astype(jnp.float32) * scale).astype(jnp.bfloat16)
-    plgpu.commit_smem()

@@ -64,7 +64,6 @@ BLOCK_Q = 128  # query rows of a program (a schedule's rows_per_tile)
 WG_ROWS = 64  # query rows of a consumer warpgroup: one wgmma M tile
 NUM_CONSUMERS = BLOCK_Q // WG_ROWS
 ALIGN = 8  # rows of a swizzled shared-memory tile: key boxes start on multiples of it
-SMEM_BYTES = 227 * 1024  # sm90's shared memory per block
 L2_BUDGET = 24 * 2**20  # keys and values in flight: half of an H100's or H200's L2
 
 
@@ -134,7 +133,7 @@ class MosaicPrefillConfig:
                 fits = [
                     n
                     for n in range(2, MAX_STAGES + 1)
-                    if smem_bytes(dqk, dv, block_k, n, stage_p=stage_p) <= SMEM_BYTES
+                    if smem_bytes(dqk, dv, block_k, n, stage_p=stage_p) <= mosaic_gpu.SMEM_BYTES
                 ]
                 stages = max(fits, default=2)
             configs.append(dataclasses.replace(self, block_k=block_k, num_stages=stages))
@@ -151,7 +150,7 @@ def _stages_p(config: MosaicPrefillConfig, interpret: bool) -> bool:
 
 def _fits(config: MosaicPrefillConfig, dqk: int, dv: int, stage_p: bool) -> bool:
     need = smem_bytes(dqk, dv, config.block_k, config.num_stages, stage_p=stage_p)
-    return need <= SMEM_BYTES
+    return need <= mosaic_gpu.SMEM_BYTES
 
 
 def smem_bytes(dqk: int, dv: int, block_k: int, num_stages: int, *, stage_p: bool) -> int:

@@ -49,7 +49,6 @@ MAX_ROWS = 64  # x's rows on the wgmma's N side: 8 to 64 in steps of 8 keep one 
 # accumulator within its registers
 MAX_BLOCK_N = 192  # output columns a program: the widest run on a GPU (H200, 2026-12-04)
 CONVERT_COLUMNS = 32  # an FP8 tile's columns a conversion loads: its 32-byte swizzle
-SMEM_BYTES = 232448  # an sm90 program's shared memory (227 KB)
 # Weight bytes a program keeps in flight when ``stages`` is chosen for it: a program has a
 # multiprocessor to itself (the warp-specialized pipeline sizes its registers for one
 # program an SM), so its copies alone must cover the memory latency at its share of the
@@ -225,7 +224,7 @@ def launch(
             plan = Launch(block_n, block_k, config.stages or 1, splits, consumers)
             stages = config.stages or _stages(m, plan, steps // splits, weight_bytes)
             plan = dataclasses.replace(plan, stages=stages)
-            if stages and shared_memory(plan, m, weight_bytes) <= SMEM_BYTES:
+            if stages and shared_memory(plan, m, weight_bytes) <= mosaic_gpu.SMEM_BYTES:
                 plans.append(plan)
     if not plans:
         plan = Launch(blocks_n[0], block_k, config.stages or 1, slices[0], consumers)
@@ -233,7 +232,7 @@ def launch(
             f"skinny_matmul: {plan.stages} stages of [{padded_rows(m)}, {block_k}] and "
             f"[{block_k}, {blocks_n[0]}] tiles need "
             f"{shared_memory(plan, m, weight_bytes)} bytes of shared memory "
-            f"(has {SMEM_BYTES})"
+            f"(has {mosaic_gpu.SMEM_BYTES})"
         )
     costs = {plan: cost(m, k, n, plan, num_sms, weight_bytes) for plan in plans}
     least = min(costs.values())
@@ -247,7 +246,7 @@ def _stages(m: int, plan: Launch, slice_steps: int, weight_bytes: int) -> int:
     tile = plan.block_n * plan.block_k * weight_bytes
     stages = max(1, min(IN_FLIGHT_BYTES // tile, slice_steps))
     while stages and shared_memory(dataclasses.replace(plan, stages=stages), m, weight_bytes) > (
-        SMEM_BYTES
+        mosaic_gpu.SMEM_BYTES
     ):
         stages -= 1
     return stages
@@ -330,7 +329,9 @@ def skinny_matmul(
         padded, row_factors = matmul_steps.float16_rows(padded)
         out_dtype = jnp.float32
         tile = plgpu.SMEM(
-            (plan.block_k, plan.block_n), jnp.float16, transforms=_swizzled(CONVERT_COLUMNS)
+            (plan.block_k, plan.block_n),
+            jnp.float16,
+            transforms=mosaic_gpu.swizzled(CONVERT_COLUMNS),
         )
         # The output tile takes the bytes of the last compute warpgroup's float16 tile,
         # which it writes only after its last step (shared memory for x's tiles at 64 rows).
@@ -356,13 +357,6 @@ def skinny_matmul(
     if blocks is not None:
         transposed = transposed * row_factors
     return transposed.T[:m].astype(x.dtype)
-
-
-def _swizzled(row_elements: int, itemsize: int = 2) -> tuple:
-    """A tile's transforms for wgmma and TMA: 8-row tiles, the widest swizzle rows of
-    ``row_elements`` allow (128 bytes from 64 bf16 elements)."""
-    swizzle = plgpu.find_swizzle(row_elements * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(
@@ -446,7 +440,7 @@ def _kernel(
             """Step ``index`` by compute warpgroup ``c``, in its float16 tile."""
             # Our next step's scale, in flight while this step computes.
             next_scale = step_scale(index + plan.consumers)
-            _convert(w_tile, converted[c])
+            mosaic_gpu.convert_fp8_tile(w_tile, converted[c], CONVERT_COLUMNS)
 
             def product(acc):
                 plgpu.wgmma(acc, converted[c].transpose((1, 0)), x_tile.transpose((1, 0)))
@@ -476,12 +470,12 @@ def _kernel(
             plgpu.BlockSpec(
                 (rows, plan.block_k),
                 lambda i: (0, i),
-                transforms=_swizzled(plan.block_k if blocks is None else CONVERT_COLUMNS),
+                transforms=mosaic_gpu.swizzled(plan.block_k if blocks is None else CONVERT_COLUMNS),
             ),
             plgpu.BlockSpec(
                 (plan.block_k, plan.block_n),
                 lambda i: (i, 0),
-                transforms=_swizzled(columns, itemsize),
+                transforms=mosaic_gpu.swizzled(columns, itemsize),
             ),
         ],
         wg_axis="wg",
@@ -489,15 +483,3 @@ def _kernel(
         max_concurrent_steps=plan.stages,
         compute_context=compute_context,
     )(x_gmem.at[:, k_slice], weight.at[k_slice, pl.ds(n0, plan.block_n)])
-
-
-def _convert(tile, converted) -> None:
-    """The e4m3 ``tile [block_k, block_n]`` (shared memory, 32-byte swizzle) into the float16
-    ``converted`` (64-byte swizzle; exact), made visible to the wgmma that reads it."""
-    for first in range(0, tile.shape[1], CONVERT_COLUMNS):
-        columns = pl.ds(first, CONVERT_COLUMNS)
-        values = plgpu.load(
-            tile.at[:, columns], layout=mosaic_gpu.FP8_CONVERT_LAYOUT, optimized=True
-        )
-        converted[:, columns] = values.astype(jnp.float16)
-    plgpu.commit_smem()
