@@ -440,6 +440,7 @@ def _plan(args: argparse.Namespace) -> dict:
                     for (node, kv), count in row.requests.items()
                 ],
                 "refused": row.refused,
+                "layer_runs": list(row.runs),
             }
             for row in rows
         ],

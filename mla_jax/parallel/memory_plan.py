@@ -42,7 +42,7 @@ from mla_jax.cache.latent_cache import cache_dtype, init_cache
 from mla_jax.checkpoint.fp8_weights import FP8BlockQuantization
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.model.config import ModelConfig
-from mla_jax.model.deepseek import DeepseekModel
+from mla_jax.model.deepseek import DeepseekModel, stacked_runs
 from mla_jax.parallel import sharding
 from mla_jax.parallel.sharding import DATA_AXIS, TENSOR_AXIS
 
@@ -262,7 +262,9 @@ class PlanRow:
     device holding them; ``token_copies`` devices hold them (its DP rank's TP ranks).
     requests: per (node name, cache dtype), the requests of ``request_tokens`` the node
     holds beside the weights and headroom; None where the weights alone do not fit.
-    refused: why the layout cannot hold the model (then the rest is empty).
+    refused: why the layout cannot hold the model (then the rest is empty). runs: how many
+    layers each of the model's stacks holds under the layout (``deepseek.stacked_runs``:
+    kept FP8 stacks split out of the sizes the Triton kernels cannot index).
     """
 
     layout: Layout
@@ -272,6 +274,7 @@ class PlanRow:
     token_copies: int = 0
     requests: dict[tuple[str, str], int | None] = dataclasses.field(default_factory=dict)
     refused: str | None = None
+    runs: tuple[int, ...] = ()
 
 
 def plan(
@@ -329,10 +332,31 @@ def plan(
                     free = math.floor(node.device_bytes * (1 - headroom)) - fixed
                     fits = free // cache(request_tokens) * layout.data_parallel
                     requests[node.name, kv] = fits if free >= 0 else None
+            runs = stacked_runs(
+                cfg, None if blocks is None else blocks.weight_block_size, _placement(layout)
+            )
             rows.append(
-                PlanRow(layout, kind, weights, token_bytes, layout.tensor_parallel, requests)
+                PlanRow(
+                    layout,
+                    kind,
+                    weights,
+                    token_bytes,
+                    layout.tensor_parallel,
+                    requests,
+                    runs=tuple(count for _, count, _ in runs),
+                )
             )
     return rows
+
+
+def _placement(layout: Layout):
+    """``load_model``'s ``placement(path, ndim)`` under ``layout``: each parameter's sharding
+    on the layout's abstract mesh."""
+
+    def placement(path, ndim: int) -> NamedSharding:
+        return NamedSharding(layout.mesh(), layout.partition_spec(list(map(str, path)), ndim))
+
+    return placement
 
 
 def _check_layout(cfg: ModelConfig, layout: Layout) -> None:
@@ -358,7 +382,7 @@ def format_plan(
     requests per node the rows were planned for."""
     nodes = list(dict.fromkeys(name for row in rows for name, _ in row.requests))
     caches = " / ".join(_cache_name(kv) for kv in kv_cache_dtypes)
-    header = ["layout", "weights", "weights GiB/device"]
+    header = ["layout", "weights", "layers stacked as", "weights GiB/device"]
     header += [f"cache bytes/token/device ({caches})", "devices holding a token"]
     header += [f"{request_tokens}-token requests on {node} ({caches})" for node in nodes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -368,6 +392,7 @@ def format_plan(
             cells += [f"refused: {row.refused}"] + [""] * (len(header) - 3)
         else:
             cells += [
+                " + ".join(map(str, row.runs)),
                 f"{row.weight_bytes / GIB:.1f}",
                 " / ".join(f"{row.token_bytes[kv]:,.0f}" for kv in kv_cache_dtypes),
                 str(row.token_copies),

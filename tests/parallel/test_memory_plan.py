@@ -255,6 +255,11 @@ def test_v3_plan_on_8_gpus():
     fit_h200 = {key for key, row in rows.items() if row.requests["8 x H200", "auto"]}
     assert fit_h200 == {(name, "fp8") for name in ("tp8", "dp2xtp4+ep", "dp4xtp2+ep", "dp8+ep")}
     assert all(row.requests["8 x H100", "auto"] is None for row in rows.values())
+    # The runs the model stacks under each layout: split only where kept FP8 needs it
+    # (test_v3_fp8_stacks_stay_out_of_the_wrapping_sizes checks why).
+    split = {("dp8", "fp8"): (3, 40, 18), ("dp8+ep", "fp8"): (3, 40, 18)}
+    split |= {("dp4xtp2", "fp8"): (3, 29, 29), ("dp4xtp2+ep", "fp8"): (3, 29, 29)}
+    assert {key: row.runs for key, row in rows.items() if row.runs != (3, 58)} == split
     # The README's table is this plan as generate.py --plan-only prints it.
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

@@ -148,7 +148,7 @@ def test_plan_only_reads_the_config_alone(capsys, tmp_path):
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     tp8 = result["plan"][1]
     gib = tp8["weight_bytes_per_device"] / 2**30
-    assert f"| tp8 | fp8 | {gib:.1f} | 70,272 / 40,016 | 8 |" in table
+    assert f"| tp8 | fp8 | 3 + 58 | {gib:.1f} | 70,272 / 40,016 | 8 |" in table
     assert [row["expert_parallel"] for row in result["plan"]] == [False] * 8 + [True] * 6
     assert result["settings"]["dtype"] == "bfloat16"  # --dtype's default for a plan
     names = [(row["layout"], row["weights"]) for row in result["plan"]]
