@@ -285,7 +285,7 @@ SWEEP = {
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_n=64),
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_m=64),
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(stages=2),
-        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_k=128, stages=2),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_n=64, block_k=128),
     ],
 }
 
