@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import fp8_blocks, mosaic_gpu, online_softmax, tiling
-from .pallas_triton import check, schedule_row_tiles, stacked_groups
+from .pallas_triton import check, device_schedule, stacked_groups
 
 CONVERT_COLUMNS = 64  # an FP8 tile's columns a conversion loads: its 64-byte swizzle rows
 COMPUTE_WARPGROUPS = 2  # each owns block_n of a program's output columns
@@ -228,14 +228,7 @@ def _grouped_matmul(
     m = lhs.shape[0]
     num_groups = group_sizes.shape[0]
     if schedule is None:
-        schedule = schedule_row_tiles(
-            group_sizes,
-            m,
-            config.block_m,
-            num_tiles=tiling.max_tiles(m, num_groups, config.block_m, ROW_ALIGN),
-            align=ROW_ALIGN,
-            xp=jnp,
-        )
+        schedule = device_schedule(group_sizes, m, config.block_m, ROW_ALIGN)
     # A tile's copy starts at a multiple of ROW_ALIGN rows, at most block_m rows before the
     # end: lhs is padded to whole ROW_ALIGN rows (the MoE layer's rows, tokens x top-k,
     # mostly are) and to at least one tile (a short prompt's).

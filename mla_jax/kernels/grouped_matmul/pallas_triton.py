@@ -113,6 +113,21 @@ def schedule_row_tiles(
     )
 
 
+def device_schedule(
+    group_sizes: jax.Array, num_rows: int, rows_per_tile: int, align: int = 1
+) -> tiling.TileSchedule:
+    """``schedule_row_tiles`` of ``group_sizes [G]`` (may be traced) planned on the device,
+    up to the static bound ``tiling.max_tiles``: what a kernel given no schedule runs."""
+    return schedule_row_tiles(
+        group_sizes,
+        num_rows,
+        rows_per_tile,
+        num_tiles=tiling.max_tiles(num_rows, group_sizes.shape[0], rows_per_tile, align),
+        align=align,
+        xp=jnp,
+    )
+
+
 def _grouped_matmul_kernel(
     tile_segment_ref,
     tile_start_ref,
@@ -309,13 +324,7 @@ def _grouped_matmul(
     block_n = matmul_steps.fit_block(config.block_n, n)
     block_k = matmul_steps.fit_block(config.block_k, k)
     if schedule is None:
-        schedule = schedule_row_tiles(
-            group_sizes,
-            m,
-            config.block_m,
-            num_tiles=tiling.max_tiles(m, num_groups, config.block_m),
-            xp=jnp,
-        )
+        schedule = device_schedule(group_sizes, m, config.block_m)
     block_m = schedule.rows_per_tile
     # Only axes shorter than one block are padded (tiny test shapes): a DeepSeek weight is
     # never copied. Row tiles may run past M; their loads and stores are masked.
