@@ -179,9 +179,10 @@ def moe_rows(sizes: Sizes) -> list[dict]:
         args = [(jax.random.normal(k, (tokens, cfg.hidden_size), jnp.bfloat16),) for k in keys]
         fp8_fn = _jitted(fp8, "pallas", layer_in_run=0)
         r = _compare(_jitted(bf16, "pallas"), fp8_fn, args, error_fns)
-        if gm.GroupedMatmulConfig.regime(
+        regime = gm.GroupedMatmulConfig.regime(
             tokens * cfg.num_experts_per_tok, cfg.n_routed_experts
-        ) == ("prefill"):
+        )
+        if regime == "prefill":
             r.update(_mosaic_experts(fp8, small, sizes.blocks, tokens, args))
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))
@@ -189,7 +190,7 @@ def moe_rows(sizes: Sizes) -> list[dict]:
 
 
 def _mosaic_experts(fp8: MoE, small: MoE, blocks, tokens: int, args) -> dict:
-    """The FP8 layer with its routed experts on the Mosaic GPU grouped matmul: ``other`` (its
+    """The FP8 layer with its routed experts on the Mosaic GPU grouped matmul: ``others`` (its
     time, for the table) and its error against the reference on the 16-expert layer; where
     the kernel cannot take the experts, why."""
     experts = fp8.experts
