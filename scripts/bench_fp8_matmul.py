@@ -11,9 +11,11 @@ set: ``fp8_matmul.fastest`` for the projections, the grouped matmul with the tun
 configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
 its relative error against the reference (the weights dequantized, then one matmul), and for
 the projections the alternative the product did not pick at that row count: the Pallas
-kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS); for the MoE
-layer at prefill, its experts on the Mosaic GPU grouped matmul
-(``grouped_matmul.prefill_on_mosaic_gpu``, in no kernel set yet).
+kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS), and at
+prefill the projection as one group on the Mosaic GPU grouped matmul
+(``fp8_matmul.prefill_on_mosaic_gpu``, in no kernel set yet); for the MoE layer at prefill,
+its experts on the Triton grouped matmul (the Hopper kernel set runs FP8 experts there on the
+Mosaic GPU one).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -117,9 +119,9 @@ ALTERNATIVES = {
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
 }
-# The alternatives at prefill on the Mosaic GPU grouped matmul: the MoE layer's routed
-# experts, and a projection as one group.
-MOSAIC_EXPERTS = kernels.TRITON._replace(grouped_matmul=gm.prefill_on_mosaic_gpu)
+# The alternatives at prefill: the MoE layer's routed experts on the Triton grouped matmul
+# (where the Hopper set runs the Mosaic GPU one), a projection as one group on the Mosaic GPU
+# grouped matmul.
 MOSAIC_PROJECTIONS = kernels.TRITON._replace(
     fp8_matmul=kernels.on_whole_weights(fm.prefill_on_mosaic_gpu)
 )
@@ -183,30 +185,18 @@ def moe_rows(sizes: Sizes) -> list[dict]:
             tokens * cfg.num_experts_per_tok, cfg.n_routed_experts
         )
         if regime == "prefill":
-            r.update(_mosaic_experts(fp8, small, sizes.blocks, tokens, args))
+            r.update(_experts_on(kernels.TRITON, "triton", fp8, small, args))
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))
     return rows
 
 
-def _mosaic_experts(fp8: MoE, small: MoE, blocks, tokens: int, args) -> dict:
-    """The FP8 layer with its routed experts on the Mosaic GPU grouped matmul: ``others`` (its
-    time, for the table) and its error against the reference on the 16-expert layer; where
-    the kernel cannot take the experts, why."""
-    experts = fp8.experts
-    rows = jnp.zeros((tokens * fp8.cfg.num_experts_per_tok, fp8.cfg.hidden_size), jnp.bfloat16)
-    for name, parts in (("gate_up_proj", 2), ("down_proj", 1)):
-        weight = getattr(experts, name)[...]
-        weight_blocks = fp8_blocks.Fp8Blocks(*blocks, parts=parts)
-        config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(
-            weight.shape[-1], weight_blocks
-        )
-        reason = gm.pallas_mosaic_gpu.unsupported(rows, weight, config, weight_blocks)
-        if reason is not None:
-            return {"others": [("mosaic", f"n/a ({reason})")]}
-    timing = time_us(_jitted(fp8, MOSAIC_EXPERTS, layer_in_run=0), args, reps=10)
-    error = _rel_err(_jitted(small, MOSAIC_EXPERTS), _jitted(small, "reference"), args[0])
-    return {"others": [("mosaic", timing)], "mosaic_rel_err": error}
+def _experts_on(kernel_set, name: str, fp8: MoE, small: MoE, args) -> dict:
+    """The FP8 layer with its routed experts on ``kernel_set``'s grouped matmul: ``others``
+    (its time, for the table) and its error against the reference on the 16-expert layer."""
+    timing = time_us(_jitted(fp8, kernel_set, layer_in_run=0), args, reps=10)
+    error = _rel_err(_jitted(small, kernel_set), _jitted(small, "reference"), args[0])
+    return {"others": [(name, timing)], f"{name}_rel_err": error}
 
 
 def _rel_err(kernel_fn, reference_fn, args) -> float:
@@ -332,18 +322,21 @@ def tables(args) -> None:
         [
             "bf16 activations. bf16: the MoE layer with the Pallas grouped matmul, the "
             "projections as XLA dots. fp8: what the GPU kernel set runs with FP8 weights: the "
-            "layer's experts through the grouped matmul with rhs_scale_inv (launch parameters "
-            "from mla_jax/kernels/tuned.py, at decode with the float16 MMA; the FP8 experts "
+            "layer's experts through the grouped matmul with rhs_scale_inv (at decode the Triton "
+            "kernel, launch parameters from mla_jax/kernels/tuned.py, with the float16 MMA; at "
+            "prefill, on a Hopper GPU, the Mosaic GPU kernel; the FP8 experts "
             "stacked as two layers', as a model stacks them: one V3 layer's FP8 down_proj, "
             "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
             "projections through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
             "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
-            "the projection's other path at that row count (10 calls); at prefill also the "
-            "Mosaic GPU grouped matmul (grouped_matmul/pallas_mosaic_gpu.py, in no kernel set "
-            "yet; its error in the JSON): the projection as one group, the FP8 weight read "
-            "in place, and the MoE layer's routed experts. Times: medians of the summed CUPTI "
-            "kernel durations of warm calls over 3 rotating inputs.",
+            "the projection's other path at that row count (10 calls), and at prefill the "
+            "projection as one group on the Mosaic GPU grouped matmul "
+            "(grouped_matmul/pallas_mosaic_gpu.py; in no kernel set for projections yet; its "
+            "error in the JSON), the FP8 weight read in place. The MoE layer at prefill: the "
+            "Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; alternative: "
+            "the Triton grouped matmul. Times: medians of the summed CUPTI kernel durations "
+            "of warm calls over 3 rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation).",
         ],

@@ -101,10 +101,32 @@ def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, sched
     return kernel(q_lat, q_pe, kv_cache, block_table, seq_lens, scale=scale, schedule=schedule)
 
 
-# Hopper (sm90): decode and prefill on Mosaic GPU (wgmma, TMA, warpgroups with their own
-# roles); the merge and the matmuls are Triton's until they have Mosaic GPU versions.
+def _hopper_grouped_matmul(
+    lhs, rhs, group_sizes, *, group_offset=0, rhs_scale_inv=None, blocks=None
+):
+    """FP8 experts at a prefill's rows on the Mosaic GPU grouped matmul
+    (``grouped_matmul.prefill_on_mosaic_gpu``: the Triton kernel for fewer rows a group or
+    shapes it does not take, logged once), bf16 experts on the Triton kernel. On an H200
+    (2026-12-05, V3's gate_up over 65536 rows) the Mosaic GPU kernel took 0.70x the Triton
+    kernel's time over FP8 experts and 1.24x over bf16 ones."""
+    kernel = grouped_matmul.grouped_matmul
+    if blocks is not None:
+        kernel = grouped_matmul.prefill_on_mosaic_gpu
+    return kernel(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset=group_offset,
+        rhs_scale_inv=rhs_scale_inv,
+        blocks=blocks,
+    )
+
+
+# Hopper (sm90): decode, prefill and FP8 experts at prefill on Mosaic GPU (wgmma, TMA,
+# warpgroups with their own roles); the merge and the other matmuls are Triton's.
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,
+    grouped_matmul=_hopper_grouped_matmul,
     flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
     backend="mosaic_gpu",
 )

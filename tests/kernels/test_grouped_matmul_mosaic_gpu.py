@@ -175,6 +175,27 @@ def test_prefill_on_mosaic_gpu_takes_a_prefills_rows(rng, monkeypatch, caplog):
 
 
 @mosaic_gpu_runs
+def test_hopper_set_runs_fp8_experts_of_a_prefill_on_it(rng, monkeypatch):
+    """The Hopper kernel set's grouped matmul: FP8 experts at a prefill's rows on the Mosaic
+    GPU kernel, bf16 experts on the Triton one; both match float64."""
+    from mla_jax import kernels
+
+    calls = []
+    kernel = mosaic.grouped_matmul
+    monkeypatch.setattr(
+        mosaic, "grouped_matmul", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+    )
+    sizes = [70, 81]
+    lhs = jnp.asarray(rng.standard_normal((sum(sizes), 128)), BF16)
+    for blocks, runs in ((Blocks(64, 64), [1]), (None, [1])):
+        rhs, scales, exact = _weights(rng, 2, 128, 128, blocks)
+        kwargs = {} if blocks is None else dict(rhs_scale_inv=scales, blocks=blocks)
+        got = kernels.MOSAIC_GPU.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), **kwargs)
+        _check(got, lhs, exact, sizes)
+        assert calls == runs
+
+
+@mosaic_gpu_runs
 def test_fp8_projection_as_one_group(rng, monkeypatch):
     """``fp8_matmul.prefill_on_mosaic_gpu``: a projection of prefill's rows on the grouped
     kernel as one group, a stack's traced layer its group offset (the other layers NaN)."""
