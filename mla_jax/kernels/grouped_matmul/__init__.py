@@ -30,8 +30,8 @@ def prefill_on_mosaic_gpu(
 ) -> jax.Array:
     """``grouped_matmul`` (same arguments and result) on the Mosaic GPU kernel where the rows
     are a prefill's (``GroupedMatmulConfig.regime``) and it takes the product, else on the
-    Triton kernel (said once). In no kernel set yet: ``scripts/bench_moe.py`` and
-    ``scripts/bench_fp8_matmul.py`` time it against the Triton kernel."""
+    Triton kernel (said once). The Hopper kernel set runs FP8 experts through it
+    (``kernels.MOSAIC_GPU``); ``scripts/bench_moe.py`` times bf16 experts on it."""
     config = pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(rhs.shape[-1], blocks)
     if GroupedMatmulConfig.regime(lhs.shape[0], group_sizes.shape[0]) != "prefill":
         reason = "fewer rows a group than a prefill's"
