@@ -7,12 +7,14 @@ bf16 activations.
     python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
-set: ``fp8_matmul.fastest`` for the projections, the grouped matmul with the tuned FP8
-configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
-its relative error against the reference (the weights dequantized, then one matmul), and for
-the projections the alternative the product did not pick at that row count: the Pallas
-kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS), and at
-prefill the projection as one group on the Mosaic GPU grouped matmul
+set: ``fp8_matmul.fastest`` for the projections, on a Hopper GPU
+``fp8_matmul.decode_on_mosaic_gpu``; the grouped matmul with the tuned FP8 configs for the
+experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill), its relative error
+against the reference (the weights dequantized, then one matmul), and for the projections the
+alternatives the product did not pick at that row count: the Pallas kernel, or the weight
+dequantized into a bf16 temporary then XLA's dot (cuBLAS); at decode over a weight the Hopper
+set runs on the Mosaic GPU skinny matmul, the Triton kernel set's path; and at prefill the
+projection as one group on the Mosaic GPU grouped matmul
 (``fp8_matmul.prefill_on_mosaic_gpu``, in no kernel set yet); for the MoE layer at prefill,
 its experts on the Triton grouped matmul (the Hopper kernel set runs FP8 experts there on the
 Mosaic GPU one).
@@ -41,7 +43,7 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
-from mla_jax.kernels import fp8_blocks
+from mla_jax.kernels import fp8_blocks, skinny_matmul
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.model.config import MoEConfig, moe_preset
@@ -81,7 +83,12 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64),
-    projections={"q_a_proj": (64, 48), "o_proj": (40, 64), "mlp.gate_proj": (128, 256)},
+    projections={
+        "q_a_proj": (64, 48),
+        "o_proj": (40, 64),
+        "mlp.gate_proj": (128, 256),
+        "mlp.down_proj": (fm.SKINNY_MIN_K, 64),  # deep enough for the Hopper set's skinny matmul
+    },
     tokens=(4, 160),  # 80 rows an expert at prefill: the Mosaic GPU kernel's regime
     blocks=(64, 64),
     projection_tokens=(1, 300),
@@ -118,6 +125,7 @@ ALTERNATIVES = {
     "dequant+cuBLAS": kernels.TRITON._replace(
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
+    "triton": kernels.TRITON,
 }
 # The alternatives at prefill: the MoE layer's routed experts on the Triton grouped matmul
 # (where the Hopper set runs the Mosaic GPU one), a projection as one group on the Mosaic GPU
@@ -216,9 +224,14 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             kernel_fn = _jitted(fp8, "pallas")
             error_fns = (kernel_fn, _jitted(fp8, "reference"))
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
-            # The path the product did not take at this row count.
-            other = "pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
-            r["others"] = [(other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))]
+            # The paths the product did not take at this row count.
+            others = ["pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"]
+            if tokens <= skinny_matmul.MAX_ROWS and n_in >= fm.SKINNY_MIN_K:
+                others.append("triton")  # where the Hopper set runs the skinny matmul
+            r["others"] = [
+                (other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))
+                for other in others
+            ]
             if tokens > fm.PALLAS_MAX_ROWS:
                 r.update(_mosaic_projection(fp8, sizes.blocks, tokens, args, r["others"]))
             print(name, tokens, jsonable(r), flush=True)
@@ -329,8 +342,12 @@ def tables(args) -> None:
             "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
             "projections through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
-            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
-            "the projection's other path at that row count (10 calls), and at prefill the "
+            "them the weight dequantized into a bf16 temporary, then XLA's dot; on a Hopper "
+            "GPU a weight of K from "
+            f"{fm.SKINNY_MIN_K} at up to {skinny_matmul.MAX_ROWS} rows on the Mosaic GPU "
+            "skinny matmul instead). Alternative: the projection's other path at that row "
+            "count (10 calls), triton: the Triton kernel set's path where the Hopper set runs "
+            "the skinny matmul, and at prefill the "
             "projection as one group on the Mosaic GPU grouped matmul "
             "(grouped_matmul/pallas_mosaic_gpu.py; in no kernel set for projections yet; its "
             "error in the JSON), the FP8 weight read in place. The MoE layer at prefill: the "

@@ -11,8 +11,9 @@ the median device time of each (CUPTI), the weight's bytes over it as a fraction
 bandwidth measured in the same run (issue 20 asks >= 85%), their ratio, the kernel's launch
 (``launch``: column block, slices of K) and its relative error against a float32 product.
 A second table puts the kernel over FP8 weights (float8_e4m3fn, 128 x 128 block scales, as
-DeepSeek-V3 ships them) beside the Triton FP8 kernel the GPU kernel sets run
-(``fp8_matmul.fastest``) and the bf16 weight's XLA dot, on V3's projections (issue 23 asks
+DeepSeek-V3 ships them) beside the Triton FP8 kernel (``fp8_matmul.fastest``: what the
+Triton kernel set runs, and the Hopper set for K under ``fp8_matmul.SKINNY_MIN_K``) and the
+bf16 weight's XLA dot, on V3's projections (issue 23 asks
 an FP8 projection at decode for <= 0.6x the bf16 time); its bandwidth counts the e4m3 bytes.
 ``--sweep``: the kernel's launch parameters (column block, step depth, stages, slices) on
 V2-Lite's shapes at 16 rows (``skinny_matmul_sweep.json``, under --out only).
@@ -295,9 +296,10 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             "FP8: layer 1 of a stacked [2, K, N] float8_e4m3fn weight with random 128 x 128 "
             "block scales, stacks rotating past L2; bf16: the same weights dequantized into "
             "bf16, through what layers.Linear runs for them (XLA's dot, K split by "
-            "layers.k_splits). Triton FP8: fp8_matmul.fastest (what the kernel sets run for an "
-            "FP8 Linear) over the stack's layer 1, read in place. Kernel: skinny_matmul over "
-            "the stack's layer 1, read in place, "
+            "layers.k_splits). Triton FP8: fp8_matmul.fastest (what the Triton kernel set runs "
+            "for an FP8 Linear) over the stack's layer 1, read in place. Kernel: skinny_matmul "
+            f"(what the Hopper set runs for K from {fm.SKINNY_MIN_K}) over the stack's "
+            "layer 1, read in place, "
             "with its default launch (columns a program x slices of K; two compute warpgroups "
             "taking alternate steps).",
             "Of copy BW: K N bytes (e4m3) over the time. rel err: relative L2 against a float32 "

@@ -123,11 +123,13 @@ def _hopper_grouped_matmul(
     )
 
 
-# Hopper (sm90): decode, prefill and FP8 experts at prefill on Mosaic GPU (wgmma, TMA,
-# warpgroups with their own roles); the merge and the other matmuls are Triton's.
+# Hopper (sm90): decode, prefill, FP8 experts at prefill and deep FP8 projections at decode
+# on Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
+# matmuls are Triton's.
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,
     grouped_matmul=_hopper_grouped_matmul,
+    fp8_matmul=on_whole_weights(fp8_matmul.decode_on_mosaic_gpu),
     flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
     backend="mosaic_gpu",
 )
@@ -152,7 +154,9 @@ def select(impl: str | KernelSet = "auto") -> KernelSet:
         reason = mosaic_gpu.device_unsupported()
         if reason is None and jax.default_backend() == "gpu":
             mosaic_gpu.log_once(
-                log, "kernels: Mosaic GPU decode (sm90), Triton for the other kernels"
+                log,
+                "kernels: the Hopper set (sm90): Mosaic GPU kernels where they win, Triton "
+                "elsewhere",
             )
             return MOSAIC_GPU
         if jax.default_backend() == "gpu":

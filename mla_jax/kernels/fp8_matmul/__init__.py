@@ -1,7 +1,8 @@
 """The FP8 weight-only matmul of the decoder's projections: the Pallas kernel (Triton
 lowering), its pure-jnp reference (``reference.fp8_matmul``, the same signature) and
-``fastest``, what the GPU kernel sets run: by row count (static, at trace time), the path
-measured fastest (``scripts/bench_fp8_matmul.py``)."""
+``fastest``, what the Triton kernel set runs: by row count (static, at trace time), the path
+measured fastest (``scripts/bench_fp8_matmul.py``). ``decode_on_mosaic_gpu``, what the Hopper
+set runs, takes deep weights at decode's rows to the Mosaic GPU skinny matmul."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from .. import fp8, fp8_blocks, matmul_steps, mosaic_gpu, online_softmax
+from .. import fp8, fp8_blocks, matmul_steps, mosaic_gpu, online_softmax, skinny_matmul
 from ..grouped_matmul import pallas_mosaic_gpu as grouped_mosaic_gpu
 from . import reference
 from .pallas_triton import Fp8MatmulConfig, fp8_matmul
@@ -20,8 +21,10 @@ __all__ = [
     "Fp8MatmulConfig",
     "fp8_matmul",
     "fastest",
+    "decode_on_mosaic_gpu",
     "prefill_on_mosaic_gpu",
     "PALLAS_MAX_ROWS",
+    "SKINNY_MIN_K",
 ]
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,12 @@ log = logging.getLogger(__name__)
 # cuBLAS's bf16 time at 8192 rows, the temporary plus cuBLAS about 1.1x, and at 64 rows the
 # temporary alone costs 2-3x the bf16 matmul (benchmarks/fp8_matmul.json).
 PALLAS_MAX_ROWS = 256
+# From this K up, at decode's rows (up to ``skinny_matmul.MAX_ROWS``), the Mosaic GPU skinny
+# matmul beats the Triton kernel over an FP8 weight: V3's o_proj [16384, 7168] and
+# down_proj [18432, 7168] took 0.78-0.91x its time at 1, 16 and 64 rows; over K = 7168
+# (q_a_proj, the shared experts' gate_proj) it was 1.13-1.22x at 16 and 64 rows
+# (H200, 2026-12-04, benchmarks/skinny_matmul_fp8.json).
+SKINNY_MIN_K = 16384
 
 
 def fastest(
@@ -76,6 +85,37 @@ def _wraps_in_triton(weight: jax.Array, interpret: bool | None) -> bool:
     if interpret is None:
         interpret = online_softmax.interpret_default()
     return not interpret and fp8.wraps_triton_offsets(weight)
+
+
+def decode_on_mosaic_gpu(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    blocks: fp8_blocks.Fp8Blocks,
+    layer: int | jax.Array | None = None,
+) -> jax.Array:
+    """``fastest``'s signature and result; at decode's rows (up to ``skinny_matmul.MAX_ROWS``)
+    over a weight of at least ``SKINNY_MIN_K`` rows, where it takes the product, the Mosaic
+    GPU skinny matmul (a stack read in place at ``layer``), else ``fastest``; either choice
+    for such a product said once."""
+    if x.shape[0] <= skinny_matmul.MAX_ROWS and weight.shape[-2] >= SKINNY_MIN_K:
+        shape = list(weight.shape[-2:])
+        reason = skinny_matmul.unsupported(x, weight, blocks=blocks)
+        if reason is None:
+            mosaic_gpu.log_once(
+                log,
+                f"fp8_matmul: the Mosaic GPU skinny matmul for {shape} at up to "
+                f"{skinny_matmul.MAX_ROWS} rows (K from {SKINNY_MIN_K}: faster there than the "
+                "Triton kernel)",
+            )
+            return skinny_matmul.skinny_matmul(
+                x, weight, scale_inv=scale_inv, blocks=blocks, layer=layer
+            )
+        mosaic_gpu.log_once(
+            log, f"fp8_matmul: {shape} not on the Mosaic GPU skinny matmul ({reason})"
+        )
+    return fastest(x, weight, scale_inv, blocks=blocks, layer=layer)
 
 
 def prefill_on_mosaic_gpu(

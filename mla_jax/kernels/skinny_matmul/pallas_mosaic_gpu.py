@@ -276,8 +276,10 @@ def unsupported(
     config: SkinnyMatmulConfig | None = None,
     blocks: fp8_blocks.Fp8Blocks | None = None,
 ):
-    """Why the kernel cannot run this product here (None: it can): a shape that does not
-    tile, or a device or jax that does not run Mosaic GPU kernels."""
+    """Why the kernel cannot run this product here (None: it can): x not bfloat16, a shape
+    that does not tile, or a device or jax that does not run Mosaic GPU kernels."""
+    if x.dtype != jnp.bfloat16:
+        return f"x is {x.dtype}, not bfloat16"
     try:
         launch(*x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), device_num_sms(), blocks)
     except ValueError as error:
