@@ -300,11 +300,36 @@ def profile(run) -> tuple[dict, int]:
             return json.load(f), steps
 
 
-def _device_ms_per_step(run) -> tuple[float, dict]:
-    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, and per kernel
-    (``kernel_breakdown``), divided by the steps ``run`` returns."""
+def _device_ms_per_step(run) -> tuple[float, dict, dict]:
+    """GPU kernel time of ``run()``'s steps from a CUPTI trace: total, per kernel
+    (``kernel_breakdown``) and per kind (``kernel_kinds``), divided by the steps ``run``
+    returns."""
     trace, steps = profile(run)
-    return kernel_breakdown(_gpu_kernel_events(trace), steps)
+    events = _gpu_kernel_events(trace)
+    return (*kernel_breakdown(events, steps), kernel_kinds(events, steps))
+
+
+# Kinds of GPU kernel by name, the first that matches: cuBLAS's and XLA's matmuls, copies,
+# slices and memsets (what a step should not need), XLA's other fusions (elementwise,
+# reductions, sorts); the rest are the Pallas kernels.
+KERNEL_KINDS = (
+    ("matmuls", ("nvjet", "gemm", "cublas", "xmma", "cutlass")),
+    ("copies, slices and memsets", ("memcpy", "memset", "copy", "slice")),
+    ("XLA fusions", ("loop_", "input_", "fusion", "wrapped_", "sort", "cub::", "concatenate")),
+)
+
+
+def kernel_kinds(events: list[dict], steps: int) -> dict:
+    """Milliseconds and launches a step of kernel ``events`` (CUPTI, ``dur`` in
+    microseconds) over ``steps`` steps, by ``KERNEL_KINDS`` (the rest: ``Pallas``)."""
+    kinds: dict[str, dict] = {}
+    for e in events:
+        name = e["name"].lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "Pallas")
+        entry = kinds.setdefault(kind, {"ms": 0.0, "launches": 0.0})
+        entry["ms"] += e["dur"] / 1e3 / steps
+        entry["launches"] += 1 / steps
+    return {k: {f: round(v, 4) for f, v in entry.items()} for k, entry in kinds.items()}
 
 
 def kernel_breakdown(events: list[dict], steps: int) -> tuple[float, dict]:
@@ -401,7 +426,7 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
         engine.generate([])
         return sizes.profiled_steps
 
-    device_ms, kernels = _device_ms_per_step(profiled)
+    device_ms, kernels, kinds = _device_ms_per_step(profiled)
     kv_bytes = batch * (context + sizes.decode_steps // 2) * _cache_bytes_per_token(engine)
     roofline_ms = (_weight_bytes(model, batch) + kv_bytes) / bandwidth / 1e6
     return {
@@ -433,6 +458,7 @@ def _decode_row(engine, model, bandwidth, batch, context, sizes: Sizes) -> dict:
             "single_steps": [round(x, 3) for x in single.itl_ms],
         },
         "device_kernels_ms": kernels,
+        "device_kernel_kinds": kinds,
     }
 
 
@@ -870,7 +896,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{weights_note(args.fp8_weights)}, page {sizes.page}, {sizes.kernels} kernels, "
         "asynchronous scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
-        "time per step (CUPTI trace of a second run of the same steps). The wall divides into "
+        "time per step (CUPTI trace of a second run of the same steps; by kernel in the "
+        "JSON's device_kernels_ms, by kind, with launches a step, in device_kernel_kinds). "
+        "The wall divides into "
         "host (the host working: giving out the tokens of an earlier step, scheduling, "
         "metadata, launch) and wait (the host blocked reading an earlier step's tokens, the "
         "device still running); call: of host, the compiled program's call (the input's "

@@ -91,6 +91,31 @@ def test_kernel_breakdown_accounts_for_every_kernel():
     assert sum(kernels.values()) == pytest.approx(total_ms)
 
 
+def test_kernel_kinds_sort_kernels_by_name():
+    """cuBLAS's and XLA's matmuls, copies, slices and memsets, XLA's fusions, the rest Pallas: each
+    kind's milliseconds and launches a step, adding up to the events."""
+    names = [
+        "nvjet_sm90_tst_64x8_64x16_4x2_h_bz_NNT",
+        "gemm_fusion_dot_general_5",
+        "MemcpyD2D",
+        "Memset 3",
+        "loop_dynamic_slice_fusion",
+        "loop_multiply_fusion_26",
+        "input_scatter_fusion",
+        "void cub::DeviceRadixSortOnesweepKernel",
+        "mla_decode",
+        "anonymous_mosaic_gpu_kernel",
+    ]
+    events = [{"name": name, "dur": 10.0 * (i + 1)} for i, name in enumerate(names) for _ in "ab"]
+    kinds = bench_serve.kernel_kinds(events, steps=2)
+    assert kinds == {
+        "matmuls": {"ms": pytest.approx(0.03), "launches": 2},
+        "copies, slices and memsets": {"ms": pytest.approx(0.12), "launches": 3},
+        "XLA fusions": {"ms": pytest.approx(0.21), "launches": 3},
+        "Pallas": {"ms": pytest.approx(0.19), "launches": 2},
+    }
+
+
 def test_fp8_weights_serving_tables_on_the_tiny_model(tmp_path):
     """``--smoke --fp8-weights``: the serving and cache-layout tables of a model whose
     projections and experts hold float8_e4m3fn weights, under names of their own; each
