@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 PALLAS_MAX_ROWS = 256
 # From this K up, at decode's rows (up to ``skinny_matmul.MAX_ROWS``), the Mosaic GPU skinny
 # matmul beats the Triton kernel over an FP8 weight: V3's o_proj [16384, 7168] and
-# down_proj [18432, 7168] took 0.78-0.91x its time at 1, 16 and 64 rows; over K = 7168
-# (q_a_proj, the shared experts' gate_proj) it was 1.13-1.22x at 16 and 64 rows
+# down_proj [18432, 7168] took 0.78-0.90x its time at 1, 16 and 64 rows; over K = 7168
+# (q_a_proj, the shared experts' gate_proj) it was 1.11-1.23x at 16 and 64 rows
 # (H200, 2026-12-04, benchmarks/skinny_matmul_fp8.json).
 SKINNY_MIN_K = 16384
 
