@@ -226,7 +226,7 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
             # The paths the product did not take at this row count.
             others = ["pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"]
-            if tokens <= skinny_matmul.MAX_ROWS and n_in >= fm.SKINNY_MIN_K:
+            if fm.skinny_pays_off(tokens, n_in):
                 others.append("triton")  # where the Hopper set runs the skinny matmul
             r["others"] = [
                 (other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))
@@ -343,12 +343,11 @@ def tables(args) -> None:
             "projections through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
             "them the weight dequantized into a bf16 temporary, then XLA's dot; on a Hopper "
-            "GPU a weight of K from "
-            f"{fm.SKINNY_MIN_K} at up to {skinny_matmul.MAX_ROWS} rows on the Mosaic GPU "
-            "skinny matmul instead). Alternative: the projection's other path at that row "
-            "count (10 calls), triton: the Triton kernel set's path where the Hopper set runs "
-            "the skinny matmul, and at prefill the "
-            "projection as one group on the Mosaic GPU grouped matmul "
+            f"GPU a weight of K from {fm.SKINNY_MIN_K} at up to {skinny_matmul.MAX_ROWS} rows "
+            "on the Mosaic GPU skinny matmul instead). Alternative: the projection's other "
+            "path at that row count (10 calls), triton: the Triton kernel set's path where the "
+            "Hopper set runs the skinny matmul, and at prefill the projection as one group on "
+            "the Mosaic GPU grouped matmul "
             "(grouped_matmul/pallas_mosaic_gpu.py; in no kernel set for projections yet; its "
             "error in the JSON), the FP8 weight read in place. The MoE layer at prefill: the "
             "Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; alternative: "

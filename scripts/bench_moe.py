@@ -447,8 +447,7 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             "Mosaic GPU: the routed experts with both grouped matmuls on the Mosaic GPU kernel "
             "(grouped_matmul/pallas_mosaic_gpu.py; the Hopper set runs only FP8 experts on "
             "it), over the Triton kernel's experts us; its relative difference from the "
-            "Triton kernel's experts is "
-            "in the JSON.",
+            "Triton kernel's experts is in the JSON.",
             *common,
         ],
         out_dir=out_dir,

@@ -322,25 +322,33 @@ KERNEL_KINDS = (
 def kernel_kinds(events: list[dict], steps: int) -> dict:
     """Milliseconds and launches a step of kernel ``events`` (CUPTI, ``dur`` in
     microseconds) over ``steps`` steps, by ``KERNEL_KINDS`` (the rest: ``Pallas``)."""
+    per_kernel, launches = _per_kernel(events)
     kinds: dict[str, dict] = {}
-    for e in events:
-        name = e["name"].lower()
-        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "Pallas")
+    for name, us in per_kernel.items():
+        lower = name.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in lower for m in marks)), "Pallas")
         entry = kinds.setdefault(kind, {"ms": 0.0, "launches": 0.0})
-        entry["ms"] += e["dur"] / 1e3 / steps
-        entry["launches"] += 1 / steps
+        entry["ms"] += us / 1e3 / steps
+        entry["launches"] += launches[name] / steps
     return {k: {f: round(v, 4) for f, v in entry.items()} for k, entry in kinds.items()}
+
+
+def _per_kernel(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
+    """Microseconds and launches of kernel ``events`` (CUPTI, ``dur`` in microseconds) by
+    kernel name."""
+    per_kernel: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    for e in events:
+        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
+        launches[e["name"]] = launches.get(e["name"], 0) + 1
+    return per_kernel, launches
 
 
 def kernel_breakdown(events: list[dict], steps: int) -> tuple[float, dict]:
     """Milliseconds a step of kernel ``events`` (CUPTI, ``dur`` in microseconds) over
     ``steps`` steps: in all, and per kernel name, the ten largest, then the rest together
     as ``other (N kernels, K launches a step)``: what a step's time is made of, to the end."""
-    per_kernel: dict[str, float] = {}
-    launches: dict[str, int] = {}
-    for e in events:
-        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
-        launches[e["name"]] = launches.get(e["name"], 0) + 1
+    per_kernel, launches = _per_kernel(events)
     total_ms = sum(per_kernel.values()) / 1e3 / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     kernels = {name[:80]: round(us / 1e3 / steps, 4) for name, us in ranked[:10]}

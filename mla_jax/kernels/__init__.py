@@ -106,13 +106,12 @@ def _hopper_grouped_matmul(
 ):
     """FP8 experts at a prefill's rows on the Mosaic GPU grouped matmul
     (``grouped_matmul.prefill_on_mosaic_gpu``: the Triton kernel for fewer rows a group or
-    shapes it does not take, logged once), bf16 experts on the Triton kernel. On an H200
-    (2026-12-05, a trial over V3's experts at 65536 rows) the Mosaic GPU kernel took 0.68-0.70x
-    the Triton kernel's time on FP8 gate_up and 1.24-1.27x over bf16 experts; V3's MoE layer
-    at 8192 tokens over FP8 experts took 19.0 ms with it, 25.5 ms with the Triton kernel."""
-    kernel = grouped_matmul.grouped_matmul
-    if blocks is not None:
-        kernel = grouped_matmul.prefill_on_mosaic_gpu
+    shapes it does not take, logged once), bf16 experts on the Triton kernel: where each
+    measured faster (BENCHMARKS.md: the FP8 table's MoE layer at prefill, the MoE prefill
+    table's Mosaic GPU column)."""
+    kernel = (
+        grouped_matmul.grouped_matmul if blocks is None else grouped_matmul.prefill_on_mosaic_gpu
+    )
     return kernel(
         lhs,
         rhs,

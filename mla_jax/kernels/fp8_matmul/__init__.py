@@ -22,6 +22,7 @@ __all__ = [
     "fp8_matmul",
     "fastest",
     "decode_on_mosaic_gpu",
+    "skinny_pays_off",
     "prefill_on_mosaic_gpu",
     "PALLAS_MAX_ROWS",
     "SKINNY_MIN_K",
@@ -87,6 +88,12 @@ def _wraps_in_triton(weight: jax.Array, interpret: bool | None) -> bool:
     return not interpret and fp8.wraps_triton_offsets(weight)
 
 
+def skinny_pays_off(rows: int, depth: int) -> bool:
+    """Whether ``decode_on_mosaic_gpu`` takes ``rows`` of x times an FP8 weight of ``depth``
+    rows (K) to the skinny matmul (where that kernel takes the shape)."""
+    return rows <= skinny_matmul.MAX_ROWS and depth >= SKINNY_MIN_K
+
+
 def decode_on_mosaic_gpu(
     x: jax.Array,
     weight: jax.Array,
@@ -99,7 +106,7 @@ def decode_on_mosaic_gpu(
     over a weight of at least ``SKINNY_MIN_K`` rows, where it takes the product, the Mosaic
     GPU skinny matmul (a stack read in place at ``layer``), else ``fastest``; either choice
     for such a product said once."""
-    if x.shape[0] <= skinny_matmul.MAX_ROWS and weight.shape[-2] >= SKINNY_MIN_K:
+    if skinny_pays_off(x.shape[0], weight.shape[-2]):
         shape = list(weight.shape[-2:])
         reason = skinny_matmul.unsupported(x, weight, blocks=blocks)
         if reason is None:
