@@ -135,19 +135,21 @@ def small_mla(
 
 
 def randomize(module: nnx.Module, seed: int) -> None:
-    """Fresh random weights everywhere, norm weights included (not left at 1)."""
+    """Fresh random weights everywhere, norm weights included (not left at 1); a matrix's
+    scaled by its fan-in (its second-last axis: ``[in, out]``, per head ``[N, in, out]``)."""
     rng = np.random.default_rng(seed)
     for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         shape, dtype = var.shape, var[...].dtype
         if len(shape) == 1:
             value = 1.0 + 0.2 * rng.standard_normal(shape)
         else:
-            value = rng.standard_normal(shape) / np.sqrt(shape[0])
+            value = rng.standard_normal(shape) / np.sqrt(shape[-2])
         var[...] = jnp.asarray(value, dtype)
 
 
 def mla_weights_np(attn) -> dict[str, np.ndarray]:
-    """The module's weights as float64 ``[in, out]`` arrays under HF names."""
+    """The module's weights as float64 arrays under its names (HF's, ``[in, out]``, and the
+    per-head ``W_UK``, ``W_UV``)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(attn, nnx.Param)):
         out[path[0]] = np.asarray(var[...], np.float64)

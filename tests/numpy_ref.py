@@ -111,19 +111,22 @@ def mla_latents(p, dims, x, positions):
 
 def mla_attend(p, dims, q_nope, q_pe, kv_c, k_pe, mask):
     """Non-absorbed MHA: keys ``[kv_c @ W_UK, k_pe]``, values ``kv_c @ W_UV``, then o_proj."""
-    n, pd, vd = dims["N"], dims["P"], dims["V"]
-    kvb = (np.asarray(kv_c, np.float64) @ p["kv_b_proj"]).reshape(len(kv_c), n, pd + vd)
+    n, vd = dims["N"], dims["V"]
+    kv_c = np.asarray(kv_c, np.float64)
+    k_nope = np.einsum("tl,nlp->tnp", kv_c, p["W_UK"])
+    v = np.einsum("tl,nlv->tnv", kv_c, p["W_UV"])
     k_pe = np.broadcast_to(np.asarray(k_pe, np.float64)[:, None], (len(kv_c), n, dims["R"]))
-    k = np.concatenate([kvb[..., :pd], k_pe], -1)
+    k = np.concatenate([k_nope, k_pe], -1)
     q = np.concatenate([q_nope, q_pe], -1)
-    o, _ = attention(q, k, kvb[..., pd:], mask, dims["scale"])
+    o, _ = attention(q, k, v, mask, dims["scale"])
     return o.reshape(len(q), n * vd) @ p["o_proj"]
 
 
 def mla(p, dims, x, positions):
     """Dense causal MLA of one whole sequence ``x [S, H]`` at ``positions [S]`` -> ``[S, H]``.
 
-    ``p``: float64 weights ``[in, out]`` under the HF module names (``q_a_proj`` ...);
+    ``p``: float64 weights ``[in, out]`` under the HF module names (``q_a_proj`` ...), but
+    ``kv_b_proj`` as its per-head parts ``W_UK [N, Lkv, P]`` and ``W_UV [N, Lkv, V]``;
     ``dims``: N, P, R, V, Lkv, eps, scale, inv_freq, mag (rope magnitude), interleaved.
     """
     q_nope, q_pe = mla_queries(p, dims, x, positions)

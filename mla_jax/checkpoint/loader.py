@@ -35,6 +35,7 @@ from mla_jax.checkpoint.fp8_weights import (
     scale_name,
 )
 from mla_jax.checkpoint.hf_config import config_to_dict, load_config
+from mla_jax.model.attention import KV_B_PROJ, kv_b_part
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel, stacked_runs
 from mla_jax.model.moe import hf_expert_names, hf_expert_slice
@@ -55,12 +56,33 @@ class WeightsError(ValueError):
 
 
 class TensorSlot(NamedTuple):
-    """Where HF tensor ``name`` goes: ``parameter[index] = tensor.transpose(axes)``."""
+    """Where HF tensor ``name`` goes: ``parameter[index] = tensor.transpose(axes)``, or with
+    ``part = (shape, part_index)``, ``parameter[index] = tensor.reshape(shape)[part_index]
+    .transpose(axes)`` (a parameter holding a part of the tensor, another the rest)."""
 
     name: str
     index: tuple  # into the (stacked) parameter: ints and slices
-    axes: tuple[int, ...]  # the transpose taking HF's layout to the parameter's
+    axes: tuple[int, ...]  # the transpose taking HF's layout (or the part's) to the parameter's
     hf_shape: tuple[int, ...]  # the shape the HF tensor must have
+    part: tuple[tuple[int, ...], tuple] | None = None
+
+    def take(self, tensor: np.ndarray) -> np.ndarray:
+        """What of HF ``tensor`` goes to ``parameter[index]``."""
+        if self.part is not None:
+            shape, part_index = self.part
+            tensor = tensor.reshape(shape)[part_index]
+        return tensor.transpose(self.axes)
+
+    def put(self, tensors: dict[str, np.ndarray], value: np.ndarray) -> None:
+        """``take``'s inverse: writes ``value`` (``parameter[index]``) into ``tensors[name]``;
+        a part into its place in a tensor of ``part``'s shape (made when its first part
+        comes; the caller reshapes it to ``hf_shape`` once every part is in)."""
+        value = value.transpose(np.argsort(self.axes))
+        if self.part is None:
+            tensors[self.name] = np.ascontiguousarray(value)
+            return
+        shape, part_index = self.part
+        tensors.setdefault(self.name, np.zeros(shape, value.dtype))[part_index] = value
 
 
 def hf_tensors(
@@ -88,10 +110,16 @@ def hf_tensors(
         return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
     first = runs[int(parts[1])][0]
     rest = ".".join(parts[2:])
+    kv_b = kv_b_part(parts[3], cfg.mla) if parts[2] == "self_attn" else None
     slots = []
     for i in range(shape[0]):
         prefix = f"model.layers.{first + i}"
-        if parts[2:4] == ["mlp", "experts"]:
+        if kv_b is not None:
+            part_shape, part_index, axes = kv_b
+            name = f"{prefix}.self_attn.{KV_B_PROJ}.weight"
+            hf_shape = (part_shape[0] * part_shape[1], part_shape[2])
+            slots.append(TensorSlot(name, (i,), axes, hf_shape, (part_shape, part_index)))
+        elif parts[2:4] == ["mlp", "experts"]:
             fused = f"{prefix}.mlp.experts.{parts[4]}" in available
             for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
                 where = hf_expert_slice(name, cfg.moe)
@@ -244,10 +272,10 @@ def load_model(
     )
     graphdef, state = nnx.split(abstract)
     files = _checkpoint_files(model_dir)
-    params = {}  # HF name -> (parameter path, its abstract variable, its slot)
+    params = defaultdict(list)  # HF name -> [(parameter path, its abstract variable, slot)]
     for path, var in nnx.to_flat_state(state):
         for slot in hf_tensors(path, var.shape, cfg, abstract.runs, files):
-            params[slot.name] = (path, var, slot)
+            params[slot.name].append((path, var, slot))
 
     missing = sorted(set(params) - set(files))
     if missing:
@@ -267,7 +295,8 @@ def load_model(
             for name in names:
                 header = f.get_slice(name)
                 headers[name] = (header.get_dtype(), tuple(header.get_shape()))
-    for name, (_, var, slot) in params.items():
+    for name, targets in params.items():
+        (_, var, slot), *_ = targets  # a tensor's parts (kv_b_part) are alike in this
         fp8 = _check_header(*headers[name], name, slot, quantization)
         scale = scale_name(name)
         if fp8 and scale not in files:
@@ -285,14 +314,15 @@ def load_model(
     # filled one tensor at a time as the shards stream by.
     buffers = {
         path: np.empty(var.shape, var.dtype if _kept(path, var) else jnp.dtype(dtype))
-        for path, var, _ in params.values()
+        for targets in params.values()
+        for path, var, _ in targets
     }
     for i, (file, names) in enumerate(shards):
         if verbose:
             print(f"loading {os.path.basename(file)} ({i + 1}/{len(shards)})", file=sys.stderr)
         with _open(file) as f:
             for name in names:
-                path, var, slot = params[name]
+                (path, var, _), *_ = params[name]
                 if _kept(path, var):  # an FP8 weight or its scales, as stored
                     array = read_safetensors(file, name)
                     if str(path[-1]).endswith(SCALE_SUFFIX):
@@ -304,8 +334,9 @@ def load_model(
                     array = dequantize(read_safetensors(file, name), scale, quantization)
                 else:
                     array = f.get_tensor(name)
-                buffers[path][slot.index] = array.transpose(slot.axes)
-    variables = {path: var for path, var, _ in params.values()}
+                for path, _, slot in params[name]:
+                    buffers[path][slot.index] = slot.take(array)
+    variables = {path: var for targets in params.values() for path, var, _ in targets}
 
     def put(path: tuple, buffer: np.ndarray) -> jax.Array:
         if placement is None:
@@ -387,12 +418,15 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     inverse)."""
     model_dir = os.fspath(model_dir)
     os.makedirs(model_dir, exist_ok=True)
-    tensors = {}
+    tensors, parted = {}, {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
         for slot in hf_tensors(path, array.shape, model.cfg, model.runs):
-            inverse = np.argsort(slot.axes)
-            tensors[slot.name] = np.ascontiguousarray(array[slot.index].transpose(inverse))
+            slot.put(tensors, array[slot.index])
+            if slot.part is not None:
+                parted[slot.name] = slot
+    for name, slot in parted.items():
+        tensors[name] = tensors[name].reshape(slot.hf_shape)
     save_file(tensors, os.path.join(model_dir, _SINGLE), metadata={"format": "pt"})
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config_to_dict(model.cfg), f, indent=2)

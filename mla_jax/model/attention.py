@@ -31,17 +31,38 @@ from mla_jax.model.config import MLAConfig
 from mla_jax.model.layers import COLUMNS, ROWS, RMSNorm, linear, matmul_precision
 from mla_jax.model.rope import apply_rope, rope_cos_sin
 
+# HF's weight of which W_UK and W_UV are the parts (``kv_b_part``).
+KV_B_PROJ = "kv_b_proj"
+
+
+def kv_b_part(param: str, cfg: MLAConfig) -> tuple[tuple[int, ...], tuple, tuple] | None:
+    """Where ``MLAAttention``'s parameter ``param`` ("W_UK" or "W_UV"; None for others) lies
+    in HF's ``kv_b_proj.weight [N (P + V), Lkv]``: ``(shape, index, axes)`` such that the
+    weight reshaped to ``shape`` ``[N, P + V, Lkv]``, indexed by ``index`` and transposed
+    by ``axes`` is the parameter."""
+    p, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    rows = {"W_UK": slice(0, p), "W_UV": slice(p, p + v)}.get(param)
+    if rows is None:
+        return None
+    return (cfg.num_heads, p + v, cfg.kv_lora_rank), (slice(None), rows), (0, 2, 1)
+
 
 class MLAAttention(nnx.Module):
     """DeepSeek MLA with HF parameter names; kernels are Linear ``[in, out]``.
 
+    HF's ``kv_b_proj`` ``[N (P + V), Lkv]`` is held as its two per-head parts, ``W_UK``
+    ``[N, Lkv, P]`` and ``W_UV`` ``[N, Lkv, V]`` (the loader splits it, ``kv_b_part``): the
+    absorbed decode multiplies by them head by head, and XLA's batched matmuls read a
+    heads-first array in place, where slices of ``kv_b_proj`` were copied every decode step
+    (DeepSeek-V3's dims: a 16 us copy in each layer, ``benchmarks/e2e_layer.json``).
+
     With ``fp8_blocks`` (a checkpoint's ``weight_block_size``) the projections of the hidden
     states and of the output (``q_proj`` or ``q_a_proj`` / ``q_b_proj``,
-    ``kv_a_proj_with_mqa``, ``o_proj``) are FP8 with block scales. ``kv_b_proj`` stays in
-    ``param_dtype`` (the loader dequantizes it): it is used as the per-head ``W_UK`` /
-    ``W_UV`` (absorbed into the queries at decode, up-projecting latents at prefill), not as
-    a linear of the hidden states, and it is small (V3: 17 M of the layer's 187 M weights,
-    2 GB over 61 layers in bf16)."""
+    ``kv_a_proj_with_mqa``, ``o_proj``) are FP8 with block scales. ``W_UK`` and ``W_UV``
+    stay in ``param_dtype`` (the loader dequantizes ``kv_b_proj``): they are absorbed into
+    the queries at decode and up-project latents at prefill, not linears of the hidden
+    states, and they are small (V3: 17 M of the layer's 187 M weights, 2 GB over 61 layers in
+    bf16)."""
 
     def __init__(
         self,
@@ -61,28 +82,13 @@ class MLAAttention(nnx.Module):
             self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs, fp8, COLUMNS)
         self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs, fp8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
-        self.kv_b_proj = linear(
-            cfg.kv_lora_rank,
-            n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-            dt,
-            rngs,
-            tensor_split=COLUMNS,
-        )
+        # kv_c -> k_nope and kv_c -> v, per head (kv_b_proj's parts), initialised as its
+        # kernel would be: fan-in Lkv.
+        init = nnx.initializers.lecun_normal(batch_axis=(0,))
+        lkv = cfg.kv_lora_rank
+        self.W_UK = nnx.Param(init(rngs.params(), (n, lkv, cfg.qk_nope_head_dim), dt))
+        self.W_UV = nnx.Param(init(rngs.params(), (n, lkv, cfg.v_head_dim), dt))
         self.o_proj = linear(n * cfg.v_head_dim, cfg.hidden_size, dt, rngs, fp8, ROWS)
-
-    @property
-    def W_UK(self) -> jax.Array:
-        """``[Lkv, N, P]``: kv_c -> k_nope, per head (the part of kv_b_proj that makes keys)."""
-        c = self.cfg
-        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
-        return w[..., : c.qk_nope_head_dim]
-
-    @property
-    def W_UV(self) -> jax.Array:
-        """``[Lkv, N, V]``: kv_c -> v, per head."""
-        c = self.cfg
-        w = self.kv_b_proj.kernel[...].reshape(c.kv_lora_rank, c.num_heads, -1)
-        return w[..., c.qk_nope_head_dim :]
 
     def __call__(
         self,
@@ -185,9 +191,9 @@ class MLAAttention(nnx.Module):
     ) -> jax.Array:
         """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
         q_lat = jnp.einsum(
-            "bnp,lnp->bnl",
+            "bnp,nlp->bnl",
             q_nope,
-            self.W_UK,
+            self.W_UK[...],
             preferred_element_type=jnp.float32,
             precision=matmul_precision(q_nope.dtype),
         )
@@ -202,9 +208,9 @@ class MLAAttention(nnx.Module):
             schedule=metadata.schedule,
         )
         return jnp.einsum(
-            "bnl,lnv->bnv",
+            "bnl,nlv->bnv",
             o_lat,
-            self.W_UV.astype(o_lat.dtype),
+            self.W_UV[...].astype(o_lat.dtype),
             precision=matmul_precision(o_lat.dtype),
         )
 
@@ -218,17 +224,24 @@ class MLAAttention(nnx.Module):
         c = self.cfg
         lkv, r, p = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim
         rope = jnp.broadcast_to(jnp.eye(r, dtype=dtype)[:, None, :], (r, c.num_heads, r))
+        w_uk = jnp.swapaxes(self.W_UK[...], 0, 1).astype(dtype)
         w_k = jnp.zeros((lkv + r, c.num_heads, p + r), dtype)
-        return w_k.at[:lkv, :, :p].set(self.W_UK.astype(dtype)).at[lkv:, :, p:].set(rope)
+        return w_k.at[:lkv, :, :p].set(w_uk).at[lkv:, :, p:].set(rope)
 
-    def _up_project(self, latent: jax.Array, w_k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``latent [T, Lkv + R]`` rows ``concat(kv_c, k_pe)`` -> keys ``[T, N, P + R]``
-        (``w_k``: ``_key_weight`` in latent's dtype) and values ``[T, N, V]``."""
-        dt = latent.dtype
-        precision = matmul_precision(dt)
+    def _value_weight(self, dtype) -> jax.Array:
+        """``[Lkv, N, V]``: kv_c -> values of every head in one matmul (W_UV, latent-major)."""
+        return jnp.swapaxes(self.W_UV[...], 0, 1).astype(dtype)
+
+    def _up_project(
+        self, latent: jax.Array, w_k: jax.Array, w_v: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """``latent [T, Lkv + R]`` rows ``concat(kv_c, k_pe)`` -> keys ``[T, N, P + R]`` and
+        values ``[T, N, V]`` (``w_k``, ``w_v``: ``_key_weight``, ``_value_weight`` in
+        latent's dtype)."""
+        precision = matmul_precision(latent.dtype)
         lkv = self.cfg.kv_lora_rank
         k = jnp.einsum("tc,cnk->tnk", latent, w_k, precision=precision)
-        v = jnp.einsum("tl,lnv->tnv", latent[:, :lkv], self.W_UV.astype(dt), precision=precision)
+        v = jnp.einsum("tl,lnv->tnv", latent[:, :lkv], w_v, precision=precision)
         return k, v
 
     def _prefill(
@@ -242,7 +255,8 @@ class MLAAttention(nnx.Module):
     ) -> jax.Array:
         """Compute-friendly path: ``q [Tp, N, P + R]`` -> ``[Tp, N, V]``."""
         latent = jnp.concatenate([kv_c, k_pe.astype(kv_c.dtype)], axis=-1)
-        k, v = self._up_project(latent, self._key_weight(latent.dtype))
+        dt = latent.dtype
+        k, v = self._up_project(latent, self._key_weight(dt), self._value_weight(dt))
         out, lse = kernel_set.flash_prefill(
             q,
             k,
@@ -271,7 +285,8 @@ class MLAAttention(nnx.Module):
         running result is float32, so that many chunks add no bf16 rounding."""
         chunks = metadata.chunks
         block_table = layers.block_ids(metadata.block_table)
-        w_k = self._key_weight(q.dtype)  # built once, outside the chunks' loop
+        # built once, outside the chunks' loop
+        w_k, w_v = self._key_weight(q.dtype), self._value_weight(q.dtype)
 
         def attend(carry, cu_seq_lens, starts, total):
             workspace = _gather_workspace(
@@ -282,7 +297,7 @@ class MLAAttention(nnx.Module):
                 total,
                 chunks.workspace_size,
             ).astype(q.dtype)
-            k, v = self._up_project(workspace, w_k)
+            k, v = self._up_project(workspace, w_k, w_v)
             out, lse = kernel_set.flash_prefill(
                 q,
                 k,

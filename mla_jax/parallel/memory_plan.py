@@ -52,8 +52,8 @@ GIB = 1 << 30
 DEEPSEEK_FP8 = FP8BlockQuantization((128, 128))
 _ROUTED_EXPERTS = (("experts", "gate_up_proj"), ("experts", "down_proj"))
 # The decoder layers' projections the runtime keeps FP8 (attention, dense MLP, shared
-# experts): not kv_b_proj, which the loader dequantizes (``MLAAttention``: it serves as the
-# per-head W_UK / W_UV, not as a linear of the hidden states).
+# experts): not kv_b_proj, which the loader dequantizes into W_UK / W_UV (``MLAAttention``:
+# per-head up-projections, not linears of the hidden states).
 _PROJECTIONS = (
     "q_proj",
     "q_a_proj",
@@ -142,7 +142,8 @@ def is_fp8_weight(path: Sequence[str]) -> bool:
     """Whether the runtime keeps the parameter at ``path`` of an FP8 checkpoint as FP8 with
     block scales (``--fp8-weights keep``): every projection of the decoder layers
     (attention but ``kv_b_proj``, dense MLP, shared experts) and the routed experts; not
-    ``kv_b_proj`` (dequantized at load), the router, norms, embedding or ``lm_head``."""
+    ``W_UK`` / ``W_UV`` (``kv_b_proj``, dequantized at load), the router, norms, embedding or
+    ``lm_head``."""
     path = tuple(path)
     if path[0] != "layers":
         return False

@@ -4,8 +4,9 @@ Tensor parallelism: a one-axis ``Mesh`` (axis ``"tp"``) over N devices; every pa
 a ``NamedSharding`` from its path (``partition_spec``) and XLA's SPMD partitioner derives the
 rest of the step:
 
-- attention heads split across ranks: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by output
-  columns (whole heads, so ``W_UK`` / ``W_UV`` are split by heads), ``o_proj`` by input rows,
+- attention heads split across ranks: ``q_proj`` / ``q_b_proj`` by output columns (whole
+  heads), ``W_UK`` / ``W_UV`` (``kv_b_proj``'s parts) by their leading heads axis, ``o_proj``
+  by input rows,
   whose partial products XLA sums across ranks (an all-reduce of ``[T, H]`` per layer);
 - the down projections to the latents (``q_a_proj``, ``kv_a_proj_with_mqa``), the norms and
   the latent cache are replicated: with one latent KV head every rank attends over every
@@ -67,13 +68,15 @@ DATA_AXIS = "dp"
 # axis is never split. Paths not listed are replicated.
 _COLUMN_SPLIT = (None, TENSOR_AXIS)  # [in, out]: outputs (heads, MLP columns, vocabulary) split
 _ROW_SPLIT = (TENSOR_AXIS, None)  # [in, out]: inputs split; the products are summed across ranks
+_BY_HEAD = (TENSOR_AXIS, None, None)  # [N, Lkv, P or V]: W_UK / W_UV by head
 _BY_EXPERT = (TENSOR_AXIS, None, None)  # [E, in, out]: by expert, over a DP rank's devices
 # With expert parallelism: by expert over every device, a DP rank's experts one range.
 _BY_EXPERT_OVER_ALL = ((DATA_AXIS, TENSOR_AXIS), None, None)
 _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("self_attn", "q_proj", "kernel"), _COLUMN_SPLIT),
     (("self_attn", "q_b_proj", "kernel"), _COLUMN_SPLIT),
-    (("self_attn", "kv_b_proj", "kernel"), _COLUMN_SPLIT),
+    (("self_attn", "W_UK"), _BY_HEAD),
+    (("self_attn", "W_UV"), _BY_HEAD),
     (("self_attn", "o_proj", "kernel"), _ROW_SPLIT),
     (("gate_proj", "kernel"), _COLUMN_SPLIT),  # the dense MLP and the shared experts
     (("up_proj", "kernel"), _COLUMN_SPLIT),
@@ -206,7 +209,7 @@ def partition_spec(path: Sequence[str], ndim: int, expert_parallel: bool = False
     path = tuple(path)
     for suffix, spec in _RULES:
         if path[-len(suffix) :] == suffix:
-            if expert_parallel and spec == _BY_EXPERT:
+            if expert_parallel and suffix[0] == "experts":  # (W_UK's spec reads alike)
                 spec = _BY_EXPERT_OVER_ALL
             return P(*(None,) * (ndim - len(spec)), *spec)
     return P()

@@ -144,7 +144,8 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
     attention = model.layers[0].self_attn
     kept = fp8_weights == "keep"
     assert (attention.q_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
-    assert attention.kv_b_proj.kernel.dtype == jnp.float32  # dequantized at load either way
+    for part in (attention.W_UK, attention.W_UV):  # kv_b_proj, dequantized at load either way
+        assert part.dtype == jnp.float32
     assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept
     prompt = rng.integers(0, 96, 9).tolist()
     logits, md = _prefill(cfg, model, prompt, "reference")
@@ -207,7 +208,7 @@ def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeyp
     ``save_checkpoint`` writes the same FP8 tensors back."""
     from flax import nnx
 
-    from mla_jax.checkpoint.fp8_weights import read_safetensors
+    from mla_jax.checkpoint.fp8_weights import dequantize, read_safetensors, scale_name
     from mla_jax.checkpoint.loader import save_checkpoint
     from mla_jax.kernels import fp8
     from mla_jax.model.deepseek import stacked_layers
@@ -232,6 +233,17 @@ def test_kept_fp8_runs_split_off_the_wrapping_sizes(fp8_checkpoint, rng, monkeyp
         np.testing.assert_array_equal(
             read_safetensors(path / "saved" / "model.safetensors", name).view(np.uint8),
             read_safetensors(path / "model.safetensors", name).view(np.uint8),
+            err_msg=name,
+        )
+    # kv_b_proj, loaded as its per-head parts W_UK and W_UV, is put back together whole.
+    kv_b = [name for name in names if name.endswith("kv_b_proj.weight")]
+    assert len(kv_b) == cfg.num_layers
+    for name in kv_b:
+        original = read_safetensors(path / "model.safetensors", name)
+        scale = read_safetensors(path / "model.safetensors", scale_name(name))
+        np.testing.assert_array_equal(
+            read_safetensors(path / "saved" / "model.safetensors", name),
+            dequantize(original, scale, cfg.quantization),
             err_msg=name,
         )
     prompts = [rng.integers(0, 96, n).tolist() for n in (3, 21)]

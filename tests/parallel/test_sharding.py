@@ -172,7 +172,8 @@ def test_tensor_parallel_greedy_tokens_match_transformers(multi_device, run):
 # (the inspected checkpoint has no q LoRA: q_proj, not q_b_proj).
 SPLIT = {
     "self_attn/q_proj/kernel": -1,  # by output heads
-    "self_attn/kv_b_proj/kernel": -1,  # by heads
+    "self_attn/W_UK": -3,  # [N, Lkv, P]: by heads
+    "self_attn/W_UV": -3,
     "self_attn/o_proj/kernel": -2,  # by input heads
     "/mlp/gate_proj/kernel": -1,  # the dense layer's MLP
     "/mlp/up_proj/kernel": -1,
@@ -535,9 +536,21 @@ def test_linear_splits_match_the_rules(q_lora_rank):
             assert spec == want, (path, name)
         seen[str(path[-1])] = node.tensor_split
     projections = {"q_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}
-    projections |= {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "lm_head"}
+    projections |= {"kv_a_proj_with_mqa", "o_proj", "lm_head"}
     assert projections | {"gate_proj", "up_proj", "down_proj"} == set(seen)
     assert {None, layers.COLUMNS, layers.ROWS} == set(seen.values())
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_up_projections_split_by_head_on_tp_only(expert_parallel):
+    """``W_UK`` / ``W_UV`` (``[L, N, Lkv, P or V]`` in a run) split by head over ``"tp"``;
+    expert parallelism, which splits the routed experts (a spec of the same form) over every
+    device, leaves them so: each DP rank holds every head."""
+    for name in ("W_UK", "W_UV"):
+        spec = sharding.partition_spec(["layers", "0", "self_attn", name], 4, expert_parallel)
+        assert tuple(spec) == (None, "tp", None, None), name
+    experts = sharding.partition_spec(["layers", "1", "mlp", "experts", "down_proj"], 4, True)
+    assert tuple(experts) == (None, ("dp", "tp"), None, None)
 
 
 def test_fp8_matmul_wrapper_on_one_device_hands_over_the_stack_in_place():
