@@ -47,6 +47,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 from typing import NamedTuple
@@ -333,20 +334,29 @@ def kernel_kinds(events: list[dict], steps: int) -> dict:
     return {k: {f: round(v, 4) for f, v in entry.items()} for k, entry in kinds.items()}
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's name without the number XLA gives each instance of a fusion
+    (``loop_slice_fusion_17`` -> ``loop_slice_fusion``): an unrolled step compiles each
+    layer's fusions under names of their own, which would scatter a per-layer cost."""
+    return re.sub(r"(?<=[a-z])(_\d+)+$", "", name)
+
+
 def _per_kernel(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
     """Microseconds and launches of kernel ``events`` (CUPTI, ``dur`` in microseconds) by
-    kernel name."""
+    kernel name, XLA's numbered instances of a fusion together (``kernel_family``)."""
     per_kernel: dict[str, float] = {}
     launches: dict[str, int] = {}
     for e in events:
-        per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"]
-        launches[e["name"]] = launches.get(e["name"], 0) + 1
+        name = kernel_family(e["name"])
+        per_kernel[name] = per_kernel.get(name, 0.0) + e["dur"]
+        launches[name] = launches.get(name, 0) + 1
     return per_kernel, launches
 
 
 def kernel_breakdown(events: list[dict], steps: int) -> tuple[float, dict]:
     """Milliseconds a step of kernel ``events`` (CUPTI, ``dur`` in microseconds) over
-    ``steps`` steps: in all, and per kernel name, the ten largest, then the rest together
+    ``steps`` steps: in all, and per kernel name (``kernel_family``), the ten largest, then
+    the rest together
     as ``other (N kernels, K launches a step)``: what a step's time is made of, to the end."""
     per_kernel, launches = _per_kernel(events)
     total_ms = sum(per_kernel.values()) / 1e3 / steps
@@ -905,7 +915,8 @@ def main(argv: list[str] | None = None) -> None:
         "asynchronous scheduling.",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps; by kernel in the "
-        "JSON's device_kernels_ms, by kind, with launches a step, in device_kernel_kinds). "
+        "JSON's device_kernels_ms, an XLA fusion's numbered instances (each layer's, in an "
+        "unrolled step) together, by kind, with launches a step, in device_kernel_kinds). "
         "The wall divides into "
         "host (the host working: giving out the tokens of an earlier step, scheduling, "
         "metadata, launch) and wait (the host blocked reading an earlier step's tokens, the "

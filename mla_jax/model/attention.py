@@ -52,9 +52,11 @@ class MLAAttention(nnx.Module):
 
     HF's ``kv_b_proj`` ``[N (P + V), Lkv]`` is held as its two per-head parts, ``W_UK``
     ``[N, Lkv, P]`` and ``W_UV`` ``[N, Lkv, V]`` (the loader splits it, ``kv_b_part``): the
-    absorbed decode multiplies by them head by head, and XLA's batched matmuls read a
-    heads-first array in place, where slices of ``kv_b_proj`` were copied every decode step
-    (DeepSeek-V3's dims: a 16 us copy in each layer, ``benchmarks/e2e_layer.json``).
+    absorbed decode multiplies by them head by head, and XLA's batched matmuls take only a
+    heads-first array in place (batch axes leading): slices of ``kv_b_proj`` are copied
+    (on the CPU backend the optimized HLO shows the copy; at DeepSeek-V3's dims
+    ``benchmarks/e2e_layer.json`` has a 16 us ``loop_slice_fusion`` a layer, the time of
+    reading and writing both slices at the copy bandwidth).
 
     With ``fp8_blocks`` (a checkpoint's ``weight_block_size``) the projections of the hidden
     states and of the output (``q_proj`` or ``q_a_proj`` / ``q_b_proj``,

@@ -91,6 +91,22 @@ def test_kernel_breakdown_accounts_for_every_kernel():
     assert sum(kernels.values()) == pytest.approx(total_ms)
 
 
+def test_kernel_breakdown_counts_a_fusions_numbered_instances_together():
+    """An unrolled step's per-layer fusions (``loop_slice_fusion``, ``loop_slice_fusion_1``
+    ...) are one entry with every launch; other names are kept whole."""
+    names = ["loop_slice_fusion", "loop_slice_fusion_1", "loop_slice_fusion_23", "fusion_4"]
+    names += ["nvjet_sm90_tst_64x8_64x16_4x2_h_bz_NNT", "gemm_fusion_dot_general_7", "Memset 0"]
+    events = [{"name": name, "dur": 10.0} for name in names]
+    _, kernels = bench_serve.kernel_breakdown(events, steps=1)
+    assert kernels == {
+        "loop_slice_fusion": pytest.approx(0.03),
+        "fusion": pytest.approx(0.01),
+        "nvjet_sm90_tst_64x8_64x16_4x2_h_bz_NNT": pytest.approx(0.01),
+        "gemm_fusion_dot_general": pytest.approx(0.01),
+        "Memset 0": pytest.approx(0.01),
+    }
+
+
 def test_kernel_kinds_sort_kernels_by_name():
     """cuBLAS's and XLA's matmuls, copies, slices and memsets, XLA's fusions, the rest Pallas: each
     kind's milliseconds and launches a step, adding up to the events."""
