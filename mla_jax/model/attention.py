@@ -191,7 +191,7 @@ class MLAAttention(nnx.Module):
         layers: LayerView,
         metadata: DecodeMetadata,
     ) -> jax.Array:
-        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]``."""
+        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]`` (their dtype)."""
         q_lat = jnp.einsum(
             "bnp,nlp->bnl",
             q_nope,
@@ -209,12 +209,18 @@ class MLAAttention(nnx.Module):
             scale=self.cfg.softmax_scale,
             schedule=metadata.schedule,
         )
-        return jnp.einsum(
-            "bnl,nlv->bnv",
-            o_lat,
+        # Heads leading on both sides, as a batched matmul takes them (XLA's GPU dot moves
+        # them there anyway), and a float32 product: XLA's CPU dot refuses bf16 x bf16 ->
+        # float32 with the batch axis second, and with a bf16 result jax 0.12's rounds its
+        # sums (2% relative error where rounding the result costs 0.3%).
+        o = jnp.einsum(
+            "nbl,nlv->nbv",
+            jnp.swapaxes(o_lat, 0, 1),
             self.W_UV[...].astype(o_lat.dtype),
+            preferred_element_type=jnp.float32,
             precision=matmul_precision(o_lat.dtype),
         )
+        return jnp.swapaxes(o, 0, 1).astype(q_nope.dtype)
 
     def _key_weight(self, dtype) -> jax.Array:
         """``[Lkv + R, N, P + R]``: latent rows ``concat(kv_c, k_pe)`` -> keys

@@ -549,7 +549,8 @@ def test_float16_latent_bound_holds(rng):
     weight = mosaic.FLOAT16_MAX_LATENT / mosaic.float16_latent_bound(1.0, rank)
     norm = RMSNorm(rank, 0.0, param_dtype=jnp.bfloat16)
     norm.weight[...] = jnp.full((rank,), weight, jnp.bfloat16)
-    x = jnp.zeros((2, rank), jnp.bfloat16).at[0, 7].set(3.0).at[1].set(rng.normal(size=rank))
+    row = jnp.asarray(rng.normal(size=rank), jnp.bfloat16)
+    x = jnp.zeros((2, rank), jnp.bfloat16).at[0, 7].set(3.0).at[1].set(row)
     latent = norm(x)
     bound = mosaic.float16_latent_bound(float(norm.weight[...].max()), rank)
     assert float(jnp.abs(latent.astype(jnp.float32)).max()) <= bound <= mosaic.FLOAT16_MAX_LATENT
