@@ -209,15 +209,16 @@ class MLAAttention(nnx.Module):
             scale=self.cfg.softmax_scale,
             schedule=metadata.schedule,
         )
-        # Heads leading on both sides, as a batched matmul takes them (XLA's GPU dot moves
-        # them there anyway), and a float32 product: XLA's CPU dot refuses bf16 x bf16 ->
-        # float32 with the batch axis second, and with a bf16 result jax 0.12's rounds its
-        # sums (2% relative error where rounding the result costs 0.3%).
+        # The product in the queries' dtype where it is wider than the cache's (a float32
+        # model over a bf16 or FP8 cache): with a bf16 result jax 0.12's CPU dot rounds its
+        # sums (2% relative error where rounding the result costs 0.3%). Heads leading on
+        # both sides, as a batched matmul takes them (XLA's GPU dot moves them there anyway;
+        # XLA's CPU dot refuses bf16 x bf16 -> float32 with the batch axis second).
         o = jnp.einsum(
             "nbl,nlv->nbv",
             jnp.swapaxes(o_lat, 0, 1),
             self.W_UV[...].astype(o_lat.dtype),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=jnp.promote_types(q_nope.dtype, o_lat.dtype),
             precision=matmul_precision(o_lat.dtype),
         )
         return jnp.swapaxes(o, 0, 1).astype(q_nope.dtype)
