@@ -356,8 +356,8 @@ def _per_kernel(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
 def kernel_breakdown(events: list[dict], steps: int) -> tuple[float, dict]:
     """Milliseconds a step of kernel ``events`` (CUPTI, ``dur`` in microseconds) over
     ``steps`` steps: in all, and per kernel name (``kernel_family``), the ten largest, then
-    the rest together
-    as ``other (N kernels, K launches a step)``: what a step's time is made of, to the end."""
+    the rest together as ``other (N kernels, K launches a step)``: what a step's time is made
+    of, to the end."""
     per_kernel, launches = _per_kernel(events)
     total_ms = sum(per_kernel.values()) / 1e3 / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])

@@ -209,7 +209,8 @@ def partition_spec(path: Sequence[str], ndim: int, expert_parallel: bool = False
     path = tuple(path)
     for suffix, spec in _RULES:
         if path[-len(suffix) :] == suffix:
-            if expert_parallel and suffix[0] == "experts":  # (W_UK's spec reads alike)
+            # By path, not by spec: W_UK's and W_UV's specs have the experts' form.
+            if expert_parallel and suffix[0] == "experts":
                 spec = _BY_EXPERT_OVER_ALL
             return P(*(None,) * (ndim - len(spec)), *spec)
     return P()
