@@ -70,9 +70,8 @@ class Sizes:
 FULL = Sizes(
     moe=V3,
     projections={
-        "q_a_proj": (7168, 1536),
+        "fused_qkv_a_proj": (7168, 1536 + 576),  # q_a_proj and kv_a_proj_with_mqa
         "q_b_proj": (1536, 128 * 192),
-        "kv_a_proj_with_mqa": (7168, 576),
         "o_proj": (128 * 128, 7168),
         "mlp.gate_proj": (7168, 18432),
         "mlp.down_proj": (18432, 7168),

@@ -148,11 +148,16 @@ def randomize(module: nnx.Module, seed: int) -> None:
 
 
 def mla_weights_np(attn) -> dict[str, np.ndarray]:
-    """The module's weights as float64 arrays under its names (HF's, ``[in, out]``, and the
-    per-head ``W_UK``, ``W_UV``)."""
+    """The module's weights as float64 arrays under HF's names (``[in, out]``; the fused
+    ``fused_qkv_a_proj`` as its ``q_a_proj`` columns, then ``kv_a_proj_with_mqa``'s), and the
+    per-head ``W_UK``, ``W_UV``."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(attn, nnx.Param)):
         out[path[0]] = np.asarray(var[...], np.float64)
+    fused = out.pop("fused_qkv_a_proj", None)
+    if fused is not None:
+        lq = attn.cfg.q_lora_rank
+        out["q_a_proj"], out["kv_a_proj_with_mqa"] = fused[:, :lq], fused[:, lq:]
     return out
 
 

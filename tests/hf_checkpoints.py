@@ -36,7 +36,7 @@ def v3_current_schema():
         **COMMON,
         num_attention_heads=8,
         qk_rope_head_dim=16,
-        q_lora_rank=24,
+        q_lora_rank=32,  # whole 16-wide FP8 blocks (test_hf's): fused_qkv_a_proj keeps FP8
         rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, mscale=1.0, mscale_all_dim=1.0, **YARN
         ),

@@ -1,10 +1,13 @@
 """Hugging Face safetensors checkpoints <-> DeepseekModel.
 
 Parameter paths map to HF tensor names mechanically. The decoder layers' parameters are
-stacked, so ``layers.self_attn.q_a_proj.kernel [L, in, out]`` holds one tensor per layer:
-its row ``i`` is ``model.layers.{i}.self_attn.q_a_proj.weight`` transposed (HF stores
+stacked, so ``layers.self_attn.q_b_proj.kernel [L, in, out]`` holds one tensor per layer:
+its row ``i`` is ``model.layers.{i}.self_attn.q_b_proj.weight`` transposed (HF stores
 ``[out, in]``). ``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head``
-has no ``model.`` prefix.
+has no ``model.`` prefix. A few parameters hold parts of HF tensors, or several of them:
+``W_UK`` / ``W_UV`` (``kv_b_proj``'s, ``attention.kv_b_part``), ``fused_qkv_a_proj``
+(``q_a_proj`` and ``kv_a_proj_with_mqa`` side by side, ``attention.fused_qkv_a_part``) and
+the routed experts' stacks (``moe.hf_expert_slice``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from mla_jax.checkpoint.fp8_weights import (
     scale_name,
 )
 from mla_jax.checkpoint.hf_config import config_to_dict, load_config
-from mla_jax.model.attention import KV_B_PROJ, kv_b_part
+from mla_jax.model.attention import KV_B_PROJ, fused_qkv_a_part, kv_b_part
 from mla_jax.model.config import ModelConfig
 from mla_jax.model.deepseek import DeepseekModel, stacked_runs
 from mla_jax.model.moe import hf_expert_names, hf_expert_slice
@@ -110,7 +113,9 @@ def hf_tensors(
         return [_plain_slot(slot_name, (), shape, transposed=_is_transposed(path))]
     first = runs[int(parts[1])][0]
     rest = ".".join(parts[2:])
-    kv_b = kv_b_part(parts[3], cfg.mla) if parts[2] == "self_attn" else None
+    attention = parts[2] == "self_attn"
+    kv_b = kv_b_part(parts[3], cfg.mla) if attention else None
+    qkv_a = fused_qkv_a_part(parts[3], cfg.mla) if attention else []
     slots = []
     for i in range(shape[0]):
         prefix = f"model.layers.{first + i}"
@@ -119,6 +124,11 @@ def hf_tensors(
             name = f"{prefix}.self_attn.{KV_B_PROJ}.weight"
             hf_shape = (part_shape[0] * part_shape[1], part_shape[2])
             slots.append(TensorSlot(name, (i,), axes, hf_shape, (part_shape, part_index)))
+        elif qkv_a:
+            for module, columns in qkv_a:
+                name = f"{prefix}.self_attn.{module}.weight"
+                hf_shape = (columns.stop - columns.start, shape[1])
+                slots.append(TensorSlot(name, (i, slice(None), columns), (1, 0), hf_shape))
         elif parts[2:4] == ["mlp", "experts"]:
             fused = f"{prefix}.mlp.experts.{parts[4]}" in available
             for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
@@ -135,21 +145,23 @@ def hf_tensors(
 def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, runs) -> list[TensorSlot]:
     """The ``weight_scale_inv`` slots of the scale grid ``shape`` at ``path``: its weight's
     slots (``hf_tensors`` of the weight's shape, as the model builds it), each weight
-    column range mapped to its range of grid columns (a fused ``gate_up_proj``'s up half
-    starts after the gate's ``cdiv(I, bo)``)."""
+    column range mapped to its range of grid columns. A fused weight's grid is its parts'
+    grids side by side, each starting on a whole block: a routed experts' ``gate_up_proj``'s
+    up half after the gate's ``cdiv(I, bo)`` columns, ``fused_qkv_a_proj``'s
+    ``kv_a_proj_with_mqa`` after ``q_a_proj``'s ``Lq / bo``."""
     bo, bi = cfg.quantization.weight_block_size
     *lead, rows, cols = shape
     weight_path = (*path[:-1], str(path[-1])[: -len(SCALE_SUFFIX)])
-    fused = tuple(map(str, weight_path[-2:])) == ("experts", "gate_up_proj")
     slots = []
-    # The weight's slots for a weight of the grid's size in blocks (the experts' shapes come
-    # from the config; a plain weight's HF shape is the grid's, transposed, in blocks).
+    # The weight's slots for a weight of the grid's size in blocks (the fused weights' column
+    # ranges come from the config; a plain weight's HF shape is the grid's, transposed, in
+    # blocks).
     for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg, runs):
         out, inp = slot.hf_shape
-        index = slot.index
-        if fused:  # gate's columns [:I] -> the grid's first half, up's [I:] -> the second
-            first = 0 if index[-1].start == 0 else cols // 2
-            index = (*index[:-1], slice(first, first + cols // 2))
+        index, columns = slot.index, slot.index[-1]
+        if isinstance(columns, slice) and columns.start is not None:
+            first = math.ceil(columns.start / bo)
+            index = (*index[:-1], slice(first, first + math.ceil(out / bo)))
         hf_shape = (math.ceil(out / bo), math.ceil(inp / bi))
         slots.append(TensorSlot(scale_name(slot.name), index, slot.axes, hf_shape))
     return slots

@@ -33,6 +33,8 @@ from mla_jax.model.rope import apply_rope, rope_cos_sin
 
 # HF's weight of which W_UK and W_UV are the parts (``kv_b_part``).
 KV_B_PROJ = "kv_b_proj"
+# HF's weights whose columns ``fused_qkv_a_proj`` holds side by side (``fused_qkv_a_part``).
+FUSED_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")
 
 
 def kv_b_part(param: str, cfg: MLAConfig) -> tuple[tuple[int, ...], tuple, tuple] | None:
@@ -47,6 +49,17 @@ def kv_b_part(param: str, cfg: MLAConfig) -> tuple[tuple[int, ...], tuple, tuple
     return (cfg.num_heads, p + v, cfg.kv_lora_rank), (slice(None), rows), (0, 2, 1)
 
 
+def fused_qkv_a_part(param: str, cfg: MLAConfig) -> list[tuple[str, slice]]:
+    """The HF weights ``MLAAttention``'s parameter ``param`` holds in column ranges of its
+    kernel: ``fused_qkv_a_proj`` holds ``q_a_proj``'s ``[H, Lq]`` in columns ``[0, Lq)``
+    and ``kv_a_proj_with_mqa``'s ``[H, Lkv + R]`` after them; [] for other parameters."""
+    if param != "fused_qkv_a_proj" or cfg.q_lora_rank is None:
+        return []
+    q_a, kv_a = FUSED_QKV_A
+    lq = cfg.q_lora_rank
+    return [(q_a, slice(0, lq)), (kv_a, slice(lq, lq + cfg.cache_width))]
+
+
 class MLAAttention(nnx.Module):
     """DeepSeek MLA with HF parameter names; kernels are Linear ``[in, out]``.
 
@@ -58,13 +71,20 @@ class MLAAttention(nnx.Module):
     ``benchmarks/e2e_layer.json`` has a 16 us ``loop_slice_fusion`` a layer, the time of
     reading and writing both slices at the copy bandwidth).
 
+    With a query LoRA, HF's ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both of the hidden
+    states, both whole on every tensor-parallel rank) are one ``fused_qkv_a_proj`` ``[H, Lq
+    + Lkv + R]``, as vLLM holds them (``fused_qkv_a_part``): at decode one matmul streams
+    both weights (DeepSeek-V3's pair at 16 rows: 14.8 us as two, 10.9 us as one; H200,
+    2026-12-05).
+
     With ``fp8_blocks`` (a checkpoint's ``weight_block_size``) the projections of the hidden
-    states and of the output (``q_proj`` or ``q_a_proj`` / ``q_b_proj``,
-    ``kv_a_proj_with_mqa``, ``o_proj``) are FP8 with block scales. ``W_UK`` and ``W_UV``
-    stay in ``param_dtype`` (the loader dequantizes ``kv_b_proj``): they are absorbed into
-    the queries at decode and up-project latents at prefill, not linears of the hidden
-    states, and they are small (V3: 17 M of the layer's 187 M weights, 2 GB over 61 layers in
-    bf16)."""
+    states and of the output (``q_proj`` and ``kv_a_proj_with_mqa``, or ``fused_qkv_a_proj``
+    and ``q_b_proj``; ``o_proj``) are FP8 with block scales; the fused kernel's block grid
+    is its two weights' grids side by side, so ``Lq`` must be whole blocks. ``W_UK`` and
+    ``W_UV`` stay in ``param_dtype`` (the loader dequantizes ``kv_b_proj``): they are
+    absorbed into the queries at decode and up-project latents at prefill, not linears of
+    the hidden states, and they are small (V3: 17 M of the layer's 187 M weights, 2 GB over
+    61 layers in bf16)."""
 
     def __init__(
         self,
@@ -78,11 +98,18 @@ class MLAAttention(nnx.Module):
         n, qk, dt, fp8 = cfg.num_heads, cfg.qk_head_dim, param_dtype, fp8_blocks
         if cfg.q_lora_rank is None:
             self.q_proj = linear(cfg.hidden_size, n * qk, dt, rngs, fp8, COLUMNS)
+            self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs, fp8)
         else:
-            self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dt, rngs, fp8)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
-            self.q_b_proj = linear(cfg.q_lora_rank, n * qk, dt, rngs, fp8, COLUMNS)
-        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.cache_width, dt, rngs, fp8)
+            lq = cfg.q_lora_rank
+            if fp8 is not None and lq % fp8[0]:
+                raise ValueError(
+                    f"q_lora_rank {lq} is not a multiple of the FP8 weight_block_size's "
+                    f"{fp8[0]} output columns: the fused q_a_proj / kv_a_proj_with_mqa "
+                    "kernel needs whole blocks (load with fp8_weights='dequantize')"
+                )
+            self.fused_qkv_a_proj = linear(cfg.hidden_size, lq + cfg.cache_width, dt, rngs, fp8)
+            self.q_a_layernorm = RMSNorm(lq, cfg.rms_norm_eps, param_dtype=dt)
+            self.q_b_proj = linear(lq, n * qk, dt, rngs, fp8, COLUMNS)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
         # kv_c -> k_nope and kv_c -> v, per head (kv_b_proj's parts), initialised as its
         # kernel would be: fan-in Lkv.
@@ -143,12 +170,14 @@ class MLAAttention(nnx.Module):
         t = x.shape[0]
         if c.q_lora_rank is None:
             q = self.q_proj(x, impl=kernel_set, layer_in_run=layer_in_run)
+            kv = self.kv_a_proj_with_mqa(x, impl=kernel_set, layer_in_run=layer_in_run)
         else:
-            q_c = self.q_a_layernorm(self.q_a_proj(x, impl=kernel_set, layer_in_run=layer_in_run))
+            qkv = self.fused_qkv_a_proj(x, impl=kernel_set, layer_in_run=layer_in_run)
+            q_c = self.q_a_layernorm(qkv[:, : c.q_lora_rank])
             q = self.q_b_proj(q_c, impl=kernel_set, layer_in_run=layer_in_run)
+            kv = qkv[:, c.q_lora_rank :]
         q = q.reshape(t, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        kv = self.kv_a_proj_with_mqa(x, impl=kernel_set, layer_in_run=layer_in_run)
         kv_c = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         k_pe = kv[:, c.kv_lora_rank :]
 

@@ -43,9 +43,11 @@ class RMSNorm(nnx.Module):
 # kv_a_proj_with_mqa [7168, 576] took 11.7 us (17% of the copy bandwidth) and q_a_proj
 # [7168, 1536] 12.2 us; as 16 slices of K, batched, and the float32 parts summed, 4.9 and
 # 8.8 us (H200, 2026-11-27, ``bench_fp8_matmul.py --sweep split_k``,
-# ``benchmarks/tuning/split_k_sweep.json``). Wider outputs fill the GPU already and lose
-# to the extra pass (V3's q_b_proj [1536, 24576]: 19.6 -> 22.5 us at 2 slices).
-SPLIT_K_MAX_OUT = (16, 2048), (64, 1536)  # (rows up to, widest output that splits there)
+# ``benchmarks/tuning/split_k_sweep.json``); the two fused into V3's fused_qkv_a_proj [7168,
+# 2112], 12.4 us as one matmul and 11.0 as 16 slices (H200, 2026-12-05). Wider outputs fill
+# the GPU already and lose to the extra pass (V3's q_b_proj [1536, 24576]: 19.6 -> 22.5 us
+# at 2 slices).
+SPLIT_K_MAX_OUT = (16, 2112), (64, 1536)  # (rows up to, widest output that splits there)
 SPLIT_K_MIN_SLICE = 256  # K of a slice: no thinner
 SPLIT_K_MAX_SLICES = 16
 

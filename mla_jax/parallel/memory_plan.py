@@ -56,7 +56,7 @@ _ROUTED_EXPERTS = (("experts", "gate_up_proj"), ("experts", "down_proj"))
 # per-head up-projections, not linears of the hidden states).
 _PROJECTIONS = (
     "q_proj",
-    "q_a_proj",
+    "fused_qkv_a_proj",
     "q_b_proj",
     "kv_a_proj_with_mqa",
     "o_proj",

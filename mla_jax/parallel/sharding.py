@@ -8,9 +8,10 @@ rest of the step:
   heads), ``W_UK`` / ``W_UV`` (``kv_b_proj``'s parts) by their leading heads axis, ``o_proj``
   by input rows,
   whose partial products XLA sums across ranks (an all-reduce of ``[T, H]`` per layer);
-- the down projections to the latents (``q_a_proj``, ``kv_a_proj_with_mqa``), the norms and
-  the latent cache are replicated: with one latent KV head every rank attends over every
-  latent row (the cost of TP for MLA: the cache is not divided, each rank holds all of it);
+- the down projections to the latents (``fused_qkv_a_proj``, or ``kv_a_proj_with_mqa``
+  without a query LoRA), the norms and the latent cache are replicated: with one latent KV
+  head every rank attends over every latent row (the cost of TP for MLA: the cache is not
+  divided, each rank holds all of it);
 - the dense MLP and the MoE layers' shared experts split column (gate, up) / row (down), a
   second all-reduce per layer;
 - the embedding table and ``lm_head`` split by vocabulary rows / columns;

@@ -143,7 +143,7 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
     cfg, model = load_model(path, fp8_weights=fp8_weights)
     attention = model.layers[0].self_attn
     kept = fp8_weights == "keep"
-    assert (attention.q_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
+    assert (attention.fused_qkv_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
     for part in (attention.W_UK, attention.W_UV):  # kv_b_proj, dequantized at load either way
         assert part.dtype == jnp.float32
     assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept

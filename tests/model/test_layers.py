@@ -25,6 +25,7 @@ MEASURED = {
     (16, 7168, 1536): 16,  # V3 q_a_proj
     (64, 7168, 1536): 16,
     (16, 7168, 576): 16,  # V3 kv_a_proj_with_mqa
+    (16, 7168, 2112): 16,  # V3 fused_qkv_a_proj (the fuse trial, 2026-12-05)
     (16, 1536, 24576): 1,  # V3 q_b_proj
     (16, 16384, 7168): 1,  # V3 o_proj
     (128, 7168, 576): 1,  # past the decode rows

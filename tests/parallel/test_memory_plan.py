@@ -29,7 +29,8 @@ from mla_jax.parallel.memory_plan import Layout, Tensor
 V3_DIR = os.path.join(TESTS, "data", "deepseek-v3")
 DEVICES = 8
 # 3 layers (a dense one, then two MoE layers of 16 experts), every split width a multiple of
-# 8 devices x 4-wide blocks; q_lora_rank 30 gives partial edge blocks (never split).
+# 8 devices x 4-wide blocks; a rope dim of 6 gives kv_a_proj_with_mqa's part of the fused
+# q_a / kv_a weight (never split) a partial edge block.
 SMALL = {
     "model_type": "deepseek_v3",
     "vocab_size": 128,
@@ -37,10 +38,10 @@ SMALL = {
     "intermediate_size": 96,
     "num_hidden_layers": 3,
     "num_attention_heads": 8,
-    "q_lora_rank": 30,
+    "q_lora_rank": 28,
     "kv_lora_rank": 32,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 10,  # heads x (nope + rope): 32 blocks, split 8 ways
+    "qk_rope_head_dim": 6,
     "v_head_dim": 4,
     "n_routed_experts": 16,
     "num_experts_per_tok": 2,

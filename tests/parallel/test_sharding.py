@@ -535,8 +535,8 @@ def test_linear_splits_match_the_rules(q_lora_rank):
             want = (None,) * (ndim - len(axes)) + axes if axes else ()
             assert spec == want, (path, name)
         seen[str(path[-1])] = node.tensor_split
-    projections = {"q_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}
-    projections |= {"kv_a_proj_with_mqa", "o_proj", "lm_head"}
+    projections = {"fused_qkv_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}
+    projections |= {"o_proj", "lm_head"} | (set() if q_lora_rank else {"kv_a_proj_with_mqa"})
     assert projections | {"gate_proj", "up_proj", "down_proj"} == set(seen)
     assert {None, layers.COLUMNS, layers.ROWS} == set(seen.values())
 
