@@ -74,8 +74,9 @@ class MLAAttention(nnx.Module):
     With a query LoRA, HF's ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both of the hidden
     states, both whole on every tensor-parallel rank) are one ``fused_qkv_a_proj`` ``[H, Lq
     + Lkv + R]``, as vLLM holds them (``fused_qkv_a_part``): at decode one matmul streams
-    both weights (DeepSeek-V3's pair at 16 rows: 14.8 us as two, 10.9 us as one; H200,
-    2026-12-05).
+    both weights (DeepSeek-V3's pair at 16 rows, each split along K: 14.8 us as two
+    matmuls, 10.9 us as one, in a trial on an H200, 2026-12-05; ``bench_fp8_matmul.py
+    --sweep split_k`` times the fused shape).
 
     With ``fp8_blocks`` (a checkpoint's ``weight_block_size``) the projections of the hidden
     states and of the output (``q_proj`` and ``kv_a_proj_with_mqa``, or ``fused_qkv_a_proj``

@@ -44,9 +44,9 @@ class RMSNorm(nnx.Module):
 # [7168, 1536] 12.2 us; as 16 slices of K, batched, and the float32 parts summed, 4.9 and
 # 8.8 us (H200, 2026-11-27, ``bench_fp8_matmul.py --sweep split_k``,
 # ``benchmarks/tuning/split_k_sweep.json``); the two fused into V3's fused_qkv_a_proj [7168,
-# 2112], 12.4 us as one matmul and 11.0 as 16 slices (H200, 2026-12-05). Wider outputs fill
-# the GPU already and lose to the extra pass (V3's q_b_proj [1536, 24576]: 19.6 -> 22.5 us
-# at 2 slices).
+# 2112], 12.4 us as one matmul and 11.0 as 16 slices (a trial, H200, 2026-12-05; the sweep
+# holds the fused shape for its next run). Wider outputs fill the GPU already and lose to
+# the extra pass (V3's q_b_proj [1536, 24576]: 19.6 -> 22.5 us at 2 slices).
 SPLIT_K_MAX_OUT = (16, 2112), (64, 1536)  # (rows up to, widest output that splits there)
 SPLIT_K_MIN_SLICE = 256  # K of a slice: no thinner
 SPLIT_K_MAX_SLICES = 16
