@@ -154,9 +154,16 @@ def mla_weights_np(attn) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(attn, nnx.Param)):
         out[path[0]] = np.asarray(var[...], np.float64)
+    return split_fused_qkv_a(out, attn.cfg)
+
+
+def split_fused_qkv_a(weights: dict[str, np.ndarray], cfg: MLAConfig) -> dict[str, np.ndarray]:
+    """``weights`` (an attention module's, by name) with ``fused_qkv_a_proj [H, Lq + Lkv +
+    R]`` as HF's ``q_a_proj`` (its first Lq columns) and ``kv_a_proj_with_mqa`` (the rest)."""
+    out = dict(weights)
     fused = out.pop("fused_qkv_a_proj", None)
     if fused is not None:
-        lq = attn.cfg.q_lora_rank
+        lq = cfg.q_lora_rank
         out["q_a_proj"], out["kv_a_proj_with_mqa"] = fused[:, :lq], fused[:, lq:]
     return out
 

@@ -18,7 +18,7 @@ import runpy
 import numpy as np
 import numpy_ref as ref
 import pytest
-from conftest import mla_dims, rel_err
+from conftest import mla_dims, rel_err, split_fused_qkv_a
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -72,6 +72,7 @@ def _dense_logits(example, tokens) -> np.ndarray:
     x = _params(model.embed)[("embedding",)][tokens]
     for layer in range(example["num_layers"]):
         attn = {path[1]: value[layer] for path, value in blocks.items() if path[0] == "attn"}
+        attn = split_fused_qkv_a(attn, cfg)
         normed = _rms_norm(x, blocks[("attn_norm", "scale")][layer])
         x = x + ref.mla(attn, dims, normed, np.arange(len(tokens)))
         normed = _rms_norm(x, blocks[("mlp_norm", "scale")][layer])
