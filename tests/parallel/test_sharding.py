@@ -535,8 +535,11 @@ def test_linear_splits_match_the_rules(q_lora_rank):
             want = (None,) * (ndim - len(axes)) + axes if axes else ()
             assert spec == want, (path, name)
         seen[str(path[-1])] = node.tensor_split
-    projections = {"fused_qkv_a_proj", "q_b_proj"} if q_lora_rank else {"q_proj"}
-    projections |= {"o_proj", "lm_head"} | (set() if q_lora_rank else {"kv_a_proj_with_mqa"})
+    if q_lora_rank:
+        projections = {"fused_qkv_a_proj", "q_b_proj"}
+    else:
+        projections = {"q_proj", "kv_a_proj_with_mqa"}
+    projections |= {"o_proj", "lm_head"}
     assert projections | {"gate_proj", "up_proj", "down_proj"} == set(seen)
     assert {None, layers.COLUMNS, layers.ROWS} == set(seen.values())
 
