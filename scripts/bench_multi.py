@@ -40,6 +40,7 @@ from benchlib import _gpu_kernel_events, machine, parse_args, parser, save
 from flax import nnx
 
 from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine import allocator
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.deepseek import DeepseekModel
@@ -228,6 +229,7 @@ def _cells(mode: Mode, measured: dict, base: dict | None, gb: float | None) -> l
 
 
 def main(argv: list[str] | None = None) -> str:
+    allocator.prefer_cuda_async()  # before JAX starts its backend
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--model", choices=[*sorted(MODELS), "tiny"], default="v2-lite")
     ap.add_argument("--layers", type=int, help="override the model's depth")

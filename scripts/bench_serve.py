@@ -61,7 +61,7 @@ from flax import nnx
 
 from mla_jax.cache.latent_cache import cache_dtype
 from mla_jax.checkpoint.tiny import TINY
-from mla_jax.engine import compilation
+from mla_jax.engine import allocator, compilation
 from mla_jax.engine.engine import Engine, EngineConfig, Request
 from mla_jax.model.config import ModelConfig, preset
 from mla_jax.model.deepseek import DeepseekModel
@@ -332,6 +332,31 @@ def kernel_kinds(events: list[dict], steps: int) -> dict:
         entry["ms"] += us / 1e3 / steps
         entry["launches"] += launches[name] / steps
     return {k: {f: round(v, 4) for f, v in entry.items()} for k, entry in kinds.items()}
+
+
+def breakdown_note(rows: list[dict], weight_bytes: float, bandwidth_gbs: float) -> str | None:
+    """Where the first decode row's device step goes, by kernel kind, against its roofline
+    (None when no row was profiled): the table's explanation of its small-batch ratios."""
+    row = next((r for r in rows if r.get("device_kernel_kinds")), None)
+    if row is None:
+        return None
+    kinds = row["device_kernel_kinds"]
+    parts = [
+        f"{kind} {entry['ms']:.2f} ms in {entry['launches']:.0f} launches"
+        for kind, entry in sorted(kinds.items(), key=lambda item: -item[1]["ms"])
+    ]
+    note = (
+        f"Where the device step of {row['cells'][0]} goes ({row['cells'][3]} ms against a "
+        f"{row['cells'][-2]} ms roofline): {', '.join(parts)}"
+    )
+    matmul_ms = kinds.get("matmuls", {}).get("ms")
+    if matmul_ms:
+        gbs = weight_bytes / 1e9 / (matmul_ms / 1e3)
+        note += (
+            f"; the step's weights over its matmuls' time stream at {gbs:.0f} GB/s, "
+            f"{gbs / bandwidth_gbs:.0%} of the copy bandwidth"
+        )
+    return note + "."
 
 
 def kernel_family(name: str) -> str:
@@ -749,6 +774,7 @@ def _rows(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    allocator.prefer_cuda_async()  # before JAX starts its backend
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument(
         "--model",
@@ -912,7 +938,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{model_cfg.num_layers} layers, hidden {model_cfg.mla.hidden_size}, "
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
         f"{weights_note(args.fp8_weights)}, page {sizes.page}, {sizes.kernels} kernels, "
-        "asynchronous scheduling.",
+        "asynchronous scheduling, device allocator "
+        f"{os.environ.get(allocator.VARIABLE, 'default')} (mla_jax.engine.allocator).",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps; by kernel in the "
         "JSON's device_kernels_ms, an XLA fusion's numbered instances (each layer's, in an "
@@ -921,9 +948,10 @@ def main(argv: list[str] | None = None) -> None:
         "host (the host working: giving out the tokens of an earlier step, scheduling, "
         "metadata, launch) and wait (the host blocked reading an earlier step's tokens, the "
         "device still running); call: of host, the compiled program's call (the input's "
-        "transfer and the kernels' launches; more means the call itself waited for the "
-        "device; earlier tables' host held a window's launch waiting for the device, its loop's "
-        "condition read to the host each step). Decode steps run in windows of "
+        "transfer and the kernels' launches; more means the call re-recorded a CUDA graph, "
+        "see mla_jax.engine.allocator, or waited for the device; earlier tables' host held "
+        "a window's launch waiting for the device, its loop's condition read to the host "
+        "each step). Decode steps run in windows of "
         f"{args.decode_window} steps (one device program, tokens read once a window; times "
         "per step: a window's over its steps); host ms, 1 step: the same steps run one at a "
         "time (their call and wait in the JSON's single_steps_ms; the host's work by part, "
@@ -944,6 +972,9 @@ def main(argv: list[str] | None = None) -> None:
         f"Programs compiled: {stats['programs']} in {stats['compile_s']:.1f} s "
         "(no persistent cache).",
     ]
+    breakdown = breakdown_note(rows, weight_bytes, bandwidth)
+    if breakdown:
+        notes.append(breakdown)
     if mixed:
         notes.append(
             "Mixed workload (the second of two runs of the same prompt lengths, fresh prompts: "

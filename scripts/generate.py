@@ -31,7 +31,7 @@ from mla_jax.cache.metadata import MetadataError
 from mla_jax.checkpoint.hf_config import load_config
 from mla_jax.checkpoint.loader import FP8_WEIGHTS, WeightsError, keeps_fp8, load_model
 from mla_jax.checkpoint.tiny import TINY, tiny_checkpoint
-from mla_jax.engine import compilation
+from mla_jax.engine import allocator, compilation
 from mla_jax.engine.batch import scratch_blocks
 from mla_jax.engine.engine import Engine, EngineConfig, Request, RequestError
 from mla_jax.model.config import ConfigError
@@ -322,6 +322,7 @@ def _engine_config(
 def main(argv: list[str] | None = None) -> dict:
     """Parses ``argv`` and generates. Bad flags exit through argparse (status 2); a bad
     checkpoint or request raises its own error (``cli`` prints it as one line)."""
+    allocator.prefer_cuda_async()  # before JAX starts its backend
     ap = _parser()
     args = ap.parse_args(argv)
     if args.output:

@@ -36,6 +36,7 @@ from mla_jax import kernels
 from mla_jax.cache.block_manager import BlockManager
 from mla_jax.cache.latent_cache import CacheFullError, cache_dtype, init_cache
 from mla_jax.cache.metadata import Buckets, StepShape
+from mla_jax.engine import allocator
 from mla_jax.engine.batch import build_batch, pad_ranks, scratch_blocks
 from mla_jax.engine.input_batch import InputBatch
 from mla_jax.engine.request import Request, RequestError
@@ -431,6 +432,7 @@ class Engine:
         # generate calls (a window's programs compile as it first runs them).
         self.decode_window = cfg.window_steps()
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        allocator.check(self.log)
         self.stats = Stats()
         self._last_launch: float | None = None
         # Seconds the host has blocked reading sampled tokens, in all and by the last launch:

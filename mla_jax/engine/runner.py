@@ -232,6 +232,21 @@ class ModelRunner:
             stops at EOS. A row writes and samples while live; a stopped row writes nothing
             and keeps its length. Returns each row's last live token (the next step's
             pending one), the ``[steps + 1, max_rows]`` tokens and counts (flat), the cache."""
+            # XLA re-records a CUDA graph whenever a buffer it holds has moved, and the
+            # loop body is one graph of the whole model: it is to hold only the parameters,
+            # the cache and the temporary buffer (kept in place by the allocator, see
+            # engine.allocator), not the call's input or outputs, new buffers each call. So
+            # the outputs exist before the loop (the barrier orders them first: everything
+            # the loop reads comes through it), and XLA cannot lend their buffers to the
+            # loop's temporaries; and the body reads copies of the input's slices.
+            outputs = (
+                jnp.zeros((layout.steps + 1, max_rows), jnp.int32),
+                jnp.zeros(max_rows, jnp.int32),
+            )
+            outputs, read = jax.lax.optimization_barrier(
+                (outputs, (metadata, input_ids, temperatures, step, steps, stops))
+            )
+            metadata, input_ids, temperatures, step, steps, stops = read
             decode = metadata.decode
             table = decode.block_table
             rows = jnp.arange(table.shape[0])
@@ -293,17 +308,6 @@ class ModelRunner:
                 cache,
                 steps > 0,
             )
-            # The outputs exist before the loop (the barrier orders them first), so XLA
-            # cannot lend their buffers to the loop's temporaries. Outputs are new buffers
-            # each call; a loop body whose CUDA graph holds one is re-recorded every call:
-            # XLA's buffer assignment had put a decode kernel's outputs and a loop-carried
-            # array in the last tokens' buffer, and its command-buffer log showed the
-            # body's graph re-recorded once a window, 0.6-1.0 ms of host time (H100).
-            outputs = (
-                jnp.zeros((layout.steps + 1, max_rows), jnp.int32),
-                jnp.zeros(max_rows, jnp.int32),
-            )
-            outputs, start = jax.lax.optimization_barrier((outputs, start))
             # Static bounds: a loop of known trip count (see the module's docstring).
             _, _, _, last, tokens, counts, cache, _ = jax.lax.fori_loop(
                 0, layout.steps, one_step, start
