@@ -3,15 +3,14 @@
 
 XLA runs a program's kernels as CUDA graphs, and re-records a graph whenever a buffer it
 holds has moved since its last run. A decode window's loop body is one graph of about 600
-commands that holds no parameter or output of the program, only its temporary buffer, and
-under XLA's default BFC allocator that buffer moves from call to call: the small buffers a
-call makes before it (the step's input, its outputs) are carved from where the previous
-call's temporary was. Re-recording the body (its cuBLAS calls traced again) took 2.4-6.3 ms a
-window on an H100, more host time than a window's 8 steps of a small batch leave. The
-stream-ordered pool gives a freed block back to the next request of its size, so the
-temporary returns to its address and the body is recorded once (``bench_serve.py``,
-V2-Lite-shaped model, windows of 8, an H100, 2026-12-05: the window's call 0.6-0.8 -> 0.21 ms
-a step at 1 x 512 and 1.2-1.6 -> 0.38 ms at 64 x 512, three runs under BFC against one).
+commands; besides the weights and the cache, which stay put, it holds the program's
+temporary buffer (the runner keeps the program's input and outputs out of it), and under
+JAX's default BFC allocator one of its buffers moved every window (XLA's command-buffer
+log). Re-recording the body (its cuBLAS calls traced again) took 2.4-6.3 ms a window on
+an H100, more host time than a window's 8 steps of a small batch leave. Under the stream-ordered pool no buffer of the body moves and it is
+recorded once (``bench_serve.py``, V2-Lite-shaped model, windows of 8, an H100, 2026-12-05:
+the window's call 0.6-0.8 -> 0.21 ms a step at 1 x 512 and 1.2-1.6 -> 0.38 ms at 64 x 512,
+three runs under BFC against one).
 
 JAX reads the variable when it starts its GPU backend, so the entry point sets it before
 any array exists (``prefer_cuda_async``); the engine says once when it runs on a GPU
@@ -47,7 +46,8 @@ def check(log: Callable[[str], None]) -> None:
     chosen = os.environ.get(VARIABLE, "default")
     if chosen != CUDA_ASYNC:
         log(
-            f"allocator: {VARIABLE}={chosen}; a decode window's CUDA graph is re-recorded "
-            f"every window under it (milliseconds of host time); set {VARIABLE}={CUDA_ASYNC} "
-            "before JAX starts (mla_jax.engine.allocator.prefer_cuda_async)"
+            f"allocator: {VARIABLE}={chosen}, not {CUDA_ASYNC}: under JAX's default (BFC) "
+            "a decode window's CUDA graph is re-recorded every window, milliseconds of host "
+            f"time; set {VARIABLE}={CUDA_ASYNC} before JAX starts "
+            "(mla_jax.engine.allocator.prefer_cuda_async)"
         )

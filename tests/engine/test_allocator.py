@@ -29,7 +29,7 @@ def test_check_says_once_what_the_default_allocator_costs(fresh):
     allocator.check(said.append)
     allocator.check(said.append)
     assert len(said) == 1
-    assert said[0].startswith("allocator: XLA_PYTHON_CLIENT_ALLOCATOR=default;")
+    assert said[0].startswith("allocator: XLA_PYTHON_CLIENT_ALLOCATOR=default, not cuda_async:")
     assert "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async" in said[0]
 
 
