@@ -7,10 +7,10 @@ commands; besides the weights and the cache, which stay put, it holds the progra
 temporary buffer (the runner keeps the program's input and outputs out of it), and under
 JAX's default BFC allocator one of its buffers moved every window (XLA's command-buffer
 log). Re-recording the body (its cuBLAS calls traced again) took 2.4-6.3 ms a window on
-an H100, more host time than a window's 8 steps of a small batch leave. Under the stream-ordered pool no buffer of the body moves and it is
-recorded once (``bench_serve.py``, V2-Lite-shaped model, windows of 8, an H100, 2026-12-05:
-the window's call 0.6-0.8 -> 0.21 ms a step at 1 x 512 and 1.2-1.6 -> 0.38 ms at 64 x 512,
-three runs under BFC against one).
+an H100, more host time than a window's 8 steps of a small batch leave. Under the
+stream-ordered pool no buffer of the body moves and it is recorded once (``bench_serve.py``,
+V2-Lite-shaped model, windows of 8, an H100, 2026-12-05: the window's call 0.6-0.8 -> 0.21 ms
+a step at 1 x 512 and 1.2-1.6 -> 0.38 ms at 64 x 512, three runs under BFC against one).
 
 JAX reads the variable when it starts its GPU backend, so the entry point sets it before
 any array exists (``prefer_cuda_async``); the engine says once when it runs on a GPU
