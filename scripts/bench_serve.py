@@ -939,7 +939,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{model_cfg.mla.num_heads} heads, q LoRA {model_cfg.mla.q_lora_rank}, {mlp}; "
         f"{weights_note(args.fp8_weights)}, page {sizes.page}, {sizes.kernels} kernels, "
         "asynchronous scheduling, device allocator "
-        f"{os.environ.get(allocator.VARIABLE, 'default')} (mla_jax.engine.allocator).",
+        f"{allocator.chosen()} (mla_jax.engine.allocator).",
         "Step wall: median interval between step launches (unprofiled run); device: GPU kernel "
         "time per step (CUPTI trace of a second run of the same steps; by kernel in the "
         "JSON's device_kernels_ms, an XLA fusion's numbered instances (each layer's, in an "

@@ -36,6 +36,12 @@ def prefer_cuda_async() -> None:
     os.environ.setdefault(VARIABLE, CUDA_ASYNC)
 
 
+def chosen() -> str:
+    """The allocator JAX starts (or started) its GPU backend with: the variable's value, or
+    ``default`` (BFC)."""
+    return os.environ.get(VARIABLE, "default")
+
+
 def check(log: Callable[[str], None]) -> None:
     """On a GPU whose allocator is not the stream-ordered pool, says once through ``log``
     what that costs and how to choose it."""
@@ -43,10 +49,9 @@ def check(log: Callable[[str], None]) -> None:
     if _checked or jax.default_backend() != "gpu":
         return
     _checked = True
-    chosen = os.environ.get(VARIABLE, "default")
-    if chosen != CUDA_ASYNC:
+    if chosen() != CUDA_ASYNC:
         log(
-            f"allocator: {VARIABLE}={chosen}, not {CUDA_ASYNC}: under JAX's default (BFC) "
+            f"allocator: {VARIABLE}={chosen()}, not {CUDA_ASYNC}: under JAX's default (BFC) "
             "a decode window's CUDA graph is re-recorded every window, milliseconds of host "
             f"time; set {VARIABLE}={CUDA_ASYNC} before JAX starts "
             "(mla_jax.engine.allocator.prefer_cuda_async)"
