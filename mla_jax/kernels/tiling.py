@@ -69,7 +69,12 @@ def schedule_tiles(
     if num_tiles is None:
         num_tiles = int(first[-1])
     tile = xp.arange(num_tiles, dtype=xp.int32)
-    segment = xp.clip(xp.searchsorted(first, tile, side="right") - 1, 0, counts.shape[0] - 1)
+    # Traced, every tile against every segment at once: jnp's default binary search is a
+    # while loop, which XLA's GPU runtime steps from the host, launching each iteration's
+    # kernels apart from the program's CUDA graphs (in an MoE decode step, once per layer).
+    method = {} if xp is np else {"method": "compare_all"}
+    segment = xp.searchsorted(first, tile, side="right", **method) - 1
+    segment = xp.clip(segment, 0, counts.shape[0] - 1)
     real = tile < first[-1]
     offset = (tile - first[segment]) * rows_per_tile
     cut = aligned[segment] + offset
