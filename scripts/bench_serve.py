@@ -174,10 +174,13 @@ class Sizes:
         return EngineConfig(**{**self.engine, **overrides})
 
 
+# Timed decode steps a row: six windows of 16 (the first two, which record their CUDA
+# graphs, are not timed); a row's profiled steps are one window.
+FULL_DECODE_STEPS = 96
 FULL = Sizes(
     decode_rows=tuple((b, ctx) for ctx in (512, 4096) for b in (1, 16, 64, 256)),
-    decode_steps=48,
-    profiled_steps=12,
+    decode_steps=FULL_DECODE_STEPS,
+    profiled_steps=16,
     prefill=(32, 4096),
     mixed=(64, 100, 4000, 256),
     compile_depths="2,27,61",
@@ -185,7 +188,7 @@ FULL = Sizes(
     capacity_tokens=4096,
     engine=dict(
         block_size=64,
-        num_blocks=256 * (4096 + 2 * 48 + 64) // 64 + 64,
+        num_blocks=256 * (4096 + 2 * FULL_DECODE_STEPS + 64) // 64 + 64,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         workspace_size=32768,
@@ -196,7 +199,7 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     decode_rows=((1, 16), (4, 16)),
-    decode_steps=24,  # 3 windows of 8: 1 steady
+    decode_steps=48,  # 3 windows of 16: 1 steady
     profiled_steps=2,
     prefill=(2, 24),
     mixed=(3, 4, 24, 4),
@@ -809,7 +812,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--decode-window",
         type=int,
-        default=8,
+        default=16,
         help="decode steps a window runs (EngineConfig.decode_window) in the serving and "
         "cache-layout tables; their decode rows also time the host with single steps",
     )
