@@ -173,3 +173,19 @@ def test_fp8_weights_model_keeps_its_projections_fp8():
     assert attention.fused_qkv_a_proj.kernel_scale_inv.dtype == jnp.float32
     plain = bench_serve.new_model(bench_serve.TINY, fp8_weights=False)
     assert plain.layers[0].self_attn.fused_qkv_a_proj.kernel.dtype == jnp.bfloat16
+
+
+def test_breakdown_note_bounds_the_step_by_its_other_kernels():
+    """The note's bound: the weights at the copy bandwidth plus every non-matmul kernel's time
+    (2 GB at 4000 GB/s: 0.5 ms; plus 0.3 ms), against the row's roofline (0.5 ms)."""
+    kinds = {
+        "matmuls": {"ms": 1.0, "launches": 100},
+        "XLA fusions": {"ms": 0.2, "launches": 150},
+        "Pallas": {"ms": 0.1, "launches": 50},
+    }
+    row = {"cells": ["decode 1 x 512", 1.0, 1.3, 1.3, *[0] * 5, 0.5, 2.6]}
+    row["device_kernel_kinds"] = kinds
+    note = bench_serve.breakdown_note([{"cells": ["prefill"]}, row], 2e9, 4000.0)
+    assert "stream at 2000 GB/s, 50% of the copy bandwidth" in note
+    assert "the step would take 0.80 ms (1.60x the roofline)" in note
+    assert "the other kernels' 0.30 ms in 200 launches unchanged." in note
