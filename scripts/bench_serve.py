@@ -357,14 +357,14 @@ def breakdown_note(rows: list[dict], weight_bytes: float, bandwidth_gbs: float) 
         gbs = weight_bytes / 1e9 / (matmul_ms / 1e3)
         others = [entry for kind, entry in kinds.items() if kind != "matmuls"]
         others_ms = sum(entry["ms"] for entry in others)
-        bound_ms = weight_bytes / (bandwidth_gbs * 1e6) + others_ms
+        others_launches = sum(entry["launches"] for entry in others)
+        bound_ms = weight_bytes / 1e9 / bandwidth_gbs * 1e3 + others_ms
         note += (
             f"; the step's weights over its matmuls' time stream at {gbs:.0f} GB/s, "
             f"{gbs / bandwidth_gbs:.0%} of the copy bandwidth; with every matmul at the copy "
-            f"bandwidth the step would take {bound_ms:.2f} ms ("
-            f"{bound_ms / row['cells'][-2]:.2f}x the roofline), the other kernels' "
-            f"{others_ms:.2f} ms in {sum(entry['launches'] for entry in others):.0f} launches "
-            "unchanged"
+            f"bandwidth the step would take {bound_ms:.2f} ms "
+            f"({bound_ms / row['cells'][-2]:.2f}x the roofline), the other kernels' "
+            f"{others_ms:.2f} ms in {others_launches:.0f} launches unchanged"
         )
     return note + "."
 
