@@ -90,3 +90,24 @@ def schedule_tiles(
         rows_per_tile,
         align,
     )
+
+
+def banded_programs(num_tiles: int, num_column_blocks: int, band: int) -> int:
+    """Programs of a launch in ``band`` order (``banded``): every row tile x column block,
+    the tiles rounded up to whole bands (the extra ones past ``num_tiles`` do nothing)."""
+    return -(-num_tiles // band) * band * num_column_blocks
+
+
+def banded(program, num_column_blocks: int, band: int):
+    """``(row tile, column block)`` of ``program`` (an int32 scalar) in a launch that takes the
+    row tiles ``band`` at a time and, within a band, runs its tiles' programs side by side for
+    each column block in turn: ``(t, 0), (t + 1, 0), ..., (t + band - 1, 0), (t, 1), ...``.
+
+    A grouped matmul's programs that read the same weight columns (the row tiles of one
+    group) then start together and share each weight tile through L2, and a band's rows stay
+    in L2 across its column blocks. Column blocks fastest (``band`` 1) space a group's tiles
+    ``num_column_blocks`` launches apart (``grouped_matmul.pallas_triton`` has what that
+    cost)."""
+    per_band = band * num_column_blocks
+    within = program % per_band
+    return program // per_band * band + within % band, within // band

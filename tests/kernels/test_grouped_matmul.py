@@ -36,11 +36,19 @@ def _inputs(rng, rows, depth, width, sizes, dtype=jnp.float32):
 
 # (rows, K, N, group sizes, launch config): empty groups, one-row groups, padding rows after
 # the groups, tiles cut inside a group, K and N that are not multiples of a block, axes
-# shorter than a block (padded to 16), all rows padding.
+# shorter than a block (padded to 16), all rows padding; row tiles taken in bands of 3 (the
+# last band's extra tiles do nothing).
 CASES = {
     "decode-like": (64, 48, 40, [0, 1, 37, 0, 1, 20], None),
     "one-row-groups": (9, 32, 64, [1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0], None),
     "many-tiles": (300, 80, 96, [100, 0, 1, 150, 17], gm.GroupedMatmulConfig(32, 32, 32, 4, 2)),
+    "banded": (
+        300,
+        80,
+        96,
+        [100, 0, 1, 150, 17],
+        gm.GroupedMatmulConfig(32, 32, 32, 4, 2, band=3),
+    ),
     "one-group": (70, 64, 32, [70], gm.GroupedMatmulConfig(16, 16, 16, 4, 2)),
     "narrow": (20, 8, 12, [0, 3, 10], None),
     "all-padding": (16, 32, 32, [0, 0, 0], None),
@@ -131,6 +139,22 @@ def test_plan_tiles_each_row_once_within_its_group(block_m, align, rng):
         mine = np.asarray(getattr(traced, field))
         np.testing.assert_array_equal(mine[:n], getattr(host, field))
         np.testing.assert_array_equal(mine[n:], np.where(field == "tile_segment", len(sizes), 0))
+
+
+@pytest.mark.parametrize("band", [1, 3, 8])
+def test_banded_order_runs_every_tile_and_column_block_once(band):
+    """Over ``banded_programs`` programs, ``banded`` gives every (row tile, column block)
+    exactly once, the extra tiles of the last band past the real ones; a band's tiles are
+    consecutive programs for each column block."""
+    num_tiles, blocks = 11, 4
+    programs = tiling.banded_programs(num_tiles, blocks, band)
+    tile, block = tiling.banded(np.arange(programs), blocks, band)
+    assert programs == -(-num_tiles // band) * band * blocks
+    pairs = set(zip(tile.tolist(), block.tolist(), strict=True))
+    assert len(pairs) == programs and {b for _, b in pairs} == set(range(blocks))
+    assert {t for t, _ in pairs} == set(range(programs // blocks))
+    np.testing.assert_array_equal(tile[:band], np.arange(band))
+    np.testing.assert_array_equal(block[:band], 0)
 
 
 def test_traced_plan_has_no_loop():

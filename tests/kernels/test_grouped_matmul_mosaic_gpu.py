@@ -11,6 +11,7 @@ the weights (and scales) of groups a product must not read are NaN.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -74,14 +75,25 @@ def _check(got, lhs, exact_rhs, sizes):
 
 # (group sizes, rows after them, K, N, config): groups starting off the 8-row grid, an empty
 # group, a group over several tiles, a tile copied from M - block_m, M not a multiple of 8,
-# fewer rows than a tile, only padding rows, the default launch.
+# fewer rows than a tile, only padding rows, the default launch; two column blocks with the
+# row tiles in bands of 1 (column block first) and 3 (the last band's extra tiles idle);
+# 128-row tiles whose second half is multiplied only where they have rows there.
 CASES = {
     "unaligned-groups": ([5, 0, 70, 1, 37], 9, 128, 128, SMALL),
+    "two-column-blocks": ([5, 0, 70, 1, 37], 9, 128, 256, dataclasses.replace(SMALL, band=1)),
+    "band-of-three": ([5, 0, 70, 1, 37], 9, 128, 256, dataclasses.replace(SMALL, band=3)),
     "end-of-rows": ([3, 60], 0, 64, 128, SMALL),
     "long-group": ([200], 3, 192, 128, Config(block_m=128, block_n=64, block_k=64)),
     "fewer-rows-than-a-tile": ([2, 3], 0, 64, 128, SMALL),
     "only-padding": ([0, 0], 16, 64, 128, SMALL),
     "default-launch": ([130, 0, 7], 13, 128, 256, None),
+    "skip-empty-half": (
+        [200, 0, 7, 130],
+        3,
+        128,
+        256,
+        Config(block_m=128, block_n=64, block_k=64, skip_empty_half=True),
+    ),
 }
 
 
@@ -103,6 +115,7 @@ def test_bf16_matches_float64(rng, case):
         ("unaligned-groups", Blocks(64, 64)),  # a scale block a step
         ("long-group", Blocks(64, 128)),  # two steps a scale block
         ("default-launch", Blocks(128, 128, parts=2)),  # gate and up, each its own grid
+        ("skip-empty-half", Blocks(64, 64)),
     ],
 )
 def test_fp8_matches_float64(rng, case, blocks):
