@@ -278,6 +278,8 @@ SWEEP = {
         gm.GroupedMatmulConfig(128, 128, 64, 8, 3),
         gm.GroupedMatmulConfig(128, 128, 64, 4, 4),
         gm.GroupedMatmulConfig(128, 256, 64, 8, 3),
+        gm.GroupedMatmulConfig(128, 256, 64, 8, 3, band=4),
+        gm.GroupedMatmulConfig(128, 256, 64, 8, 3, band=8),
         gm.GroupedMatmulConfig(64, 128, 64, 4, 4),
         gm.GroupedMatmulConfig(128, 128, 32, 4, 4),
     ],
@@ -288,6 +290,8 @@ SWEEP = {
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_m=64),
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(stages=2),
         gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(block_n=64, block_k=128),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(band=4),
+        gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig(skip_empty_half=True),
     ],
 }
 
