@@ -32,9 +32,9 @@ group) and the same stacked ``rhs``. What differs is how a tile is computed:
 - Programs run in ``config.band`` order on a one-axis grid (``tiling.banded``; by default
   each row tile's column blocks side by side, its rows kept in L2 across them). Mosaic GPU
   launches a grid's last axis fastest (Triton its first), so the grid ``(column blocks,
-  tiles)`` this kernel had ran the row tiles fastest: HBM carried the rows once per column
-  block and the weights about twice (ncu, V3's gate_up over 65536 rows: 30.3 GB read for 15 GB
-  of weights and 0.9 GB of rows, against 21 GB in this order; H100, 2026-12-05).
+  tiles)`` this kernel had ran the row tiles fastest, and the programs in flight shared
+  neither rows nor weight columns: V3's gate_up over 65536 rows (15 GB of weights, 0.9 GB of
+  rows) read 30.3 GB from HBM, against 21 GB in this order (ncu; H100, 2026-12-05).
 
 Where the Triton kernel is the one to run (decode's few rows a group, shapes that do not
 tile) is the kernel set's choice; this kernel refuses what it does not take
@@ -94,10 +94,9 @@ class MosaicGroupedMatmulConfig:
         layer's; DeepSeek's weights take the defaults), and over FP8 weights
         ``skip_empty_half``: at V3's routed experts over 8192 tokens (65536 rows, 256 a
         group), with FP8 weights it took gate_up from 9151 to 9020 us and down from 4822 to
-        4547; with bf16 weights gate_up from 8360 to 8921 and down from 4453 to 4453 (H100,
-        2026-12-05: a trial script, the two runs on two machines, where the Triton kernel's
-        times agreed within 0.5%; over bf16 the branch between the halves' wgmmas costs
-        what the skipped products save)."""
+        4547; with bf16 weights it took gate_up from 8360 to 8921 and left down at 4453
+        (H100, 2026-12-05: a trial script, the runs with and without on two machines, where
+        the Triton kernel's times agreed within 0.5%)."""
         wide = width % (COMPUTE_WARPGROUPS * 128) == 0
         if blocks is not None:
             wide = wide and blocks.block_out % 128 == 0
@@ -344,13 +343,13 @@ def _kernel(
 
     def store(wg, pieces):
         """Compute warpgroup ``wg``'s columns of the tile's rows ``[r0, r1)``, from
-        ``pieces``, the tile's rows in equal parts, ``[rows, block_n]`` each (the rows of the
-        copy from ``first``)."""
+        ``pieces``, the tile's ``block_m`` rows (those of the copy from ``first``) in equal
+        parts, ``[block_m / len(pieces), block_n]`` each."""
 
         def write(out_tile):
-            rows = block_m // len(pieces)
+            piece_rows = block_m // len(pieces)
             for p, values in enumerate(pieces):
-                out_tile[pl.ds(p * rows, rows)] = values.astype(out_tile.dtype)
+                out_tile[pl.ds(p * piece_rows, piece_rows)] = values.astype(out_tile.dtype)
             plgpu.commit_smem()
             columns = pl.ds(n0 + wg * block_n, block_n)
             offset, count = r0 - first, r1 - r0
