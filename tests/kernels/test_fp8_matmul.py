@@ -290,7 +290,8 @@ def test_tuned_configs_are_used(monkeypatch):
     monkeypatch.setattr(tuned, "GROUPED_FP8", {"decodex64x96": dataclasses.asdict(grouped)})
     assert gm.GroupedMatmulConfig.for_shape(20, 8, 64, 96, fp8=True) == grouped
     assert gm.GroupedMatmulConfig.for_shape(20, 8, 64, 96) != grouped  # bf16 weights
-    assert gm.GroupedMatmulConfig.for_shape(2000, 8, 64, 96, fp8=True) == gm.GroupedMatmulConfig()
+    prefill = gm.GroupedMatmulConfig.for_shape(2000, 8, 64, 96)  # the rules, bf16 weights
+    assert gm.GroupedMatmulConfig.for_shape(2000, 8, 64, 96, fp8=True) == prefill
 
 
 def test_fp8_inputs_refused():
