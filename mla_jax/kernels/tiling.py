@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -111,3 +112,11 @@ def banded(program, num_column_blocks: int, band: int):
     per_band = band * num_column_blocks
     within = program % per_band
     return program // per_band * band + within % band, within // band
+
+
+def banded_tile(program, num_tiles: int, num_column_blocks: int, band: int):
+    """What a kernel program in ``band`` order runs: ``(tile, column block, real)``, the tile
+    (``banded``'s) kept within the schedule's ``num_tiles`` and ``real`` false for the last
+    band's extra tiles past them, which must own no row."""
+    tile, column_block = banded(program, num_column_blocks, band)
+    return jnp.minimum(tile, num_tiles - 1), column_block, tile < num_tiles

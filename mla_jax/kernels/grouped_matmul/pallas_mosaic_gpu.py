@@ -322,13 +322,13 @@ def _kernel(
     block_m, block_n = config.block_m, config.block_n
     rows, depth = lhs_gmem.shape
     width = rhs_gmem.shape[2]
-    num_tiles = segment_gmem.shape[0]
-    tile, column_block = tiling.banded(
-        lax.axis_index("program"), width // (COMPUTE_WARPGROUPS * block_n), config.band
+    tile, column_block, real = tiling.banded_tile(
+        lax.axis_index("program"),
+        segment_gmem.shape[0],
+        width // (COMPUTE_WARPGROUPS * block_n),
+        config.band,
     )
     n0 = column_block * COMPUTE_WARPGROUPS * block_n
-    real = tile < num_tiles  # not one of the last band's extra tiles
-    tile = jnp.minimum(tile, num_tiles - 1)
     segment, r0, r1 = segment_gmem[tile], start_gmem[tile], end_gmem[tile]
     r1 = jnp.where(real, r1, r0)  # an extra tile owns no row
     has_group = (segment < num_groups) & (r0 < r1)

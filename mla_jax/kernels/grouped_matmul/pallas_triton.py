@@ -167,10 +167,9 @@ def _grouped_matmul_kernel(
     lhs's ``float16_rows`` factors where lhs is float16, then the output)."""
     scale_ref, *rest = rest if blocks is not None else (None, *rest)
     row_scale_ref, out_ref = rest if len(rest) == 2 else (None, *rest)
-    num_tiles = tile_segment_ref.shape[0]
-    t, j = tiling.banded(pl.program_id(0), pl.cdiv(width, block_n), band)
-    real = t < num_tiles  # not one of the last band's extra tiles
-    t = jnp.minimum(t, num_tiles - 1)
+    t, j, real = tiling.banded_tile(
+        pl.program_id(0), tile_segment_ref.shape[0], pl.cdiv(width, block_n), band
+    )
     g, r0, r1 = tile_segment_ref[t], tile_start_ref[t], tile_end_ref[t]
     r1 = jnp.where(real, r1, r0)  # an extra tile owns no row
     # Padding tiles (the rows after the groups, the tiles past the real ones) run no step and
