@@ -36,27 +36,7 @@ group) and the same stacked ``rhs``. What differs is how a tile is computed:
   neither rows nor weight columns: V3's gate_up over 65536 rows (15 GB of weights, 0.9 GB of
   rows) read 30.3 GB from HBM, against 21 GB in this order (ncu; H100, 2026-12-05).
 
-Two launches that did not pay, at V3's routed experts over 8192 tokens (65536 rows, 256
-groups; a trial script, CUPTI medians of 10 calls, 2026-12-05; kept on branches
-``gmm-row-split`` and ``gmm-pair-delay``):
-
-- The compute warpgroups splitting a tile's rows instead of its columns (each 64 rows by all
-  256 columns, one m64n256 wgmma a step, CUTLASS's cooperative split; over FP8 each
-  converting half of one shared bf16 tile, both meeting at a barrier every step). H100, this
-  kernel against it: bf16 gate_up 8492 / 8688 us, down 4517 / 4369; FP8 gate_up 8920 /
-  9860, down 4571 / 4844. Its wgmmas read 17% fewer shared-memory bytes a step (by the
-  operands' sizes); over FP8 the barrier has both warpgroups convert at once, with no
-  product in flight meanwhile.
-- Pairs of column blocks as clusters, each lhs tile copied once for both by TMA multicast
-  (a program's L2 reads a step from 48 to 40 KB over bf16). H200: bf16 gate_up 7445 / 7393
-  us, down 3958 / 4047; FP8 gate_up 8919 / 9341, down 4511 / 4624 (the Triton kernel over
-  bf16: 6773 and 3660; cuBLAS, dense, the same FLOPs: 4557 and 2228).
-
-So neither shared memory's nor L2's bandwidth is what holds the bf16 kernel at about 60% of
-cuBLAS's rate (counting the groups' rows only). Untried: deeper copies (over bf16 three
-steps in flight, the oldest held a step longer by the pipeline's ``delay_release``; JAX's
-Hopper matmul waits for each step's product instead: on the branch, unmeasured) and a
-persistent kernel whose epilogue overlaps the next tile's copies.
+What limits it and the launches tried that did not pay: ``MOSAIC_GPU.md`` here.
 
 Where the Triton kernel is the one to run (decode's few rows a group, shapes that do not
 tile) is the kernel set's choice; this kernel refuses what it does not take
