@@ -27,7 +27,8 @@ class KernelSet(NamedTuple):
     (``mla_jax.parallel.sharding.sharded_kernels``); each entry is called as the model calls
     ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
     ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
-    causal, schedule, FP8 weights' scales, blocks and the layer of a stacked weight); the FP8
+    causal, schedule, the decode's ``heads_major``, FP8 weights' scales, blocks and the layer
+    of a stacked weight); the FP8
     matmul also takes ``tensor_split``, how tensor parallelism splits its weight
     (``on_whole_weights``). ``backend`` names the set
     (``"reference"``, ``"triton"`` or ``"mosaic_gpu"``): the host plans the Pallas kernels'
@@ -74,12 +75,14 @@ TRITON = KernelSet(
 )
 
 
-def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, schedule=None):
+def _hopper_decode(
+    q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, schedule=None, heads_major=False
+):
     """The Mosaic GPU decode where it beats the Triton one (64 heads and more, or an FP8
     cache and enough requests: ``pallas_mosaic_gpu.pays_off``), the Triton decode elsewhere
     (logged once); ``KernelPlan`` plans the schedule for the same kernel (any schedule is
     correct for either kernel; a plan for the other one only balances the work worse)."""
-    batch, heads = q_lat.shape[:2]
+    batch, heads = decode.pallas_triton.batch_major_view(q_lat, heads_major).shape[:2]
     quantized = isinstance(kv_cache, fp8.Fp8Cache)
     if pallas_mosaic_gpu.pays_off(heads, batch, quantized):
         kernel = pallas_mosaic_gpu.mla_decode
@@ -98,7 +101,16 @@ def _hopper_decode(q_lat, q_pe, kv_cache, block_table, seq_lens, *, scale, sched
             f"cache from {pallas_mosaic_gpu.FP8_MIN_BATCH} requests)",
         )
         kernel = decode.mla_decode
-    return kernel(q_lat, q_pe, kv_cache, block_table, seq_lens, scale=scale, schedule=schedule)
+    return kernel(
+        q_lat,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        scale=scale,
+        schedule=schedule,
+        heads_major=heads_major,
+    )
 
 
 def _hopper_grouped_matmul(

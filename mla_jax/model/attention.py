@@ -221,15 +221,24 @@ class MLAAttention(nnx.Module):
         layers: LayerView,
         metadata: DecodeMetadata,
     ) -> jax.Array:
-        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]`` (their dtype)."""
+        """Absorbed path: ``[B, N, P]`` queries -> ``[B, N, V]`` (their dtype).
+
+        The latent queries and outputs stay heads-leading, ``[N, B, Lkv]``, between the
+        batched matmuls (one a head, heads as the batch axis, which a GPU's batched matmul
+        wants leading) and the decode kernel (``heads_major``): batch-leading, each side
+        transposed them, a pass over ``[B, N, Lkv]`` each way. q_lat's matmul writes the
+        cache's dtype itself where the queries are in it (16-bit: the product accumulates
+        in float32 and is rounded once, as a float32 result cast would be; a float32
+        intermediate would be written and read again)."""
+        cache = layers.blocks
+        same_dtype = q_nope.dtype == cache.dtype
         q_lat = jnp.einsum(
-            "bnp,nlp->bnl",
+            "bnp,nlp->nbl",
             q_nope,
             self.W_UK[...],
-            preferred_element_type=jnp.float32,
+            preferred_element_type=cache.dtype if same_dtype else jnp.float32,
             precision=matmul_precision(q_nope.dtype),
         )
-        cache = layers.blocks
         o_lat, _ = kernel_set.mla_decode(
             q_lat.astype(cache.dtype),
             q_pe.astype(cache.dtype),
@@ -238,15 +247,14 @@ class MLAAttention(nnx.Module):
             metadata.seq_lens,
             scale=self.cfg.softmax_scale,
             schedule=metadata.schedule,
+            heads_major=True,
         )
         # The product in the queries' dtype where it is wider than the cache's (a float32
         # model over a bf16 or FP8 cache): with a bf16 result jax 0.12's CPU dot rounds its
-        # sums (2% relative error where rounding the result costs 0.3%). Heads leading on
-        # both sides, as a batched matmul takes them (XLA's GPU dot moves them there anyway;
-        # XLA's CPU dot refuses bf16 x bf16 -> float32 with the batch axis second).
+        # sums (2% relative error where rounding the result costs 0.3%).
         o = jnp.einsum(
             "nbl,nlv->nbv",
-            jnp.swapaxes(o_lat, 0, 1),
+            o_lat,
             self.W_UV[...].astype(o_lat.dtype),
             preferred_element_type=jnp.promote_types(q_nope.dtype, o_lat.dtype),
             precision=matmul_precision(o_lat.dtype),

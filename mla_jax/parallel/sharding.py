@@ -283,18 +283,29 @@ def _heads_mesh(mesh: Mesh):
     return mesh if context.empty else context
 
 
-def _by_heads(function, mesh: Mesh, head_args: int, num_args: int, num_outputs: int):
+def _by_heads(
+    function,
+    mesh: Mesh,
+    head_args: int,
+    num_args: int,
+    num_outputs: int,
+    heads_leading: tuple[int, ...] = (),
+):
     """``function`` under ``shard_map``: its first ``head_args`` arguments (``[T, N, ...]``)
     split by heads (axis 1), the rest of its ``num_args`` replicated; each output split by
-    heads."""
-    heads = P(None, TENSOR_AXIS)
+    heads. The arguments and outputs numbered in ``heads_leading`` (arguments first, then
+    outputs) are ``[N, T, ...]``: split on axis 0."""
+    heads, leading = P(None, TENSOR_AXIS), P(TENSOR_AXIS)
+
+    def spec(k):
+        return leading if k in heads_leading else heads
 
     def by_heads(*args):
         return jax.shard_map(
             function,
             mesh=_heads_mesh(mesh),
-            in_specs=(heads,) * head_args + (P(),) * (num_args - head_args),
-            out_specs=(heads,) * num_outputs,
+            in_specs=tuple(spec(k) for k in range(head_args)) + (P(),) * (num_args - head_args),
+            out_specs=tuple(spec(num_args + k) for k in range(num_outputs)),
             axis_names={TENSOR_AXIS},
             check_vma=False,  # Pallas calls carry no replication information
         )(*args)
@@ -413,13 +424,24 @@ def sharded_kernels(kernel_set: kernels.KernelSet, mesh: Mesh) -> kernels.Kernel
     kernels per rank on its heads, the grouped matmul per rank on its experts, the FP8
     matmul on a rank's part of its weight. Same signatures."""
 
-    def mla_decode(q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None):
+    def mla_decode(
+        q_lat, q_pe, cache, block_table, seq_lens, *, scale, schedule=None, heads_major=False
+    ):
         def local(q_lat, q_pe, cache, block_table, seq_lens, schedule):
             return kernel_set.mla_decode(
-                q_lat, q_pe, cache, block_table, seq_lens, scale=scale, schedule=schedule
+                q_lat,
+                q_pe,
+                cache,
+                block_table,
+                seq_lens,
+                scale=scale,
+                schedule=schedule,
+                heads_major=heads_major,
             )
 
-        run = _by_heads(local, mesh, head_args=2, num_args=6, num_outputs=2)
+        # q_lat (argument 0) and out (output 0, numbered after the 6 arguments)
+        leading = (0, 6) if heads_major else ()
+        run = _by_heads(local, mesh, head_args=2, num_args=6, num_outputs=2, heads_leading=leading)
         return run(q_lat, q_pe, cache, block_table, seq_lens, schedule)
 
     def flash_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, schedule=None):

@@ -81,17 +81,23 @@ def _check(got, want, lens, dtype):
     assert (out[~live] == 0).all() and np.isneginf(lse[~live]).all()
 
 
-def _run(args, *, dtype=jnp.float32, impl="pallas", **kwargs):
+def _run(args, *, dtype=jnp.float32, impl="pallas", heads_major=False, **kwargs):
+    """The kernel on ``args`` (batch-leading); with ``heads_major`` its q_lat goes in and
+    its out comes back heads-leading, and is returned batch-leading."""
     q_lat, q_pe, cache, table, lens = args
     fn = decode.mla_decode if impl == "pallas" else decode.reference.mla_decode
     if impl != "pallas":
         kwargs.pop("config", None)
-    return fn(
+    if heads_major:
+        q_lat = np.swapaxes(q_lat, 0, 1)
+        kwargs["heads_major"] = True
+    out, lse = fn(
         *(jnp.asarray(a, dtype) for a in (q_lat, q_pe, cache)),
         jnp.asarray(table),
         jnp.asarray(lens),
         **kwargs,
     )
+    return (jnp.swapaxes(out, 0, 1) if heads_major else out), lse
 
 
 # Pallas launch variants beside the reference: one masked loop, full steps unmasked with
@@ -124,18 +130,21 @@ def test_lengths_and_block_sizes(rng, block_size, dtype, impl, variant):
     _check(got, _expected(*args, 0.11), args[-1], dtype)
 
 
+@pytest.mark.parametrize("heads_major", [False, True], ids=["batch-major", "heads-major"])
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
 @pytest.mark.parametrize(
     "n,lkv,r",
     [(1, 5, 3), (4, 24, 8), (8, 32, 16), (24, 40, 12), (48, 64, 16), (128, 16, 2)],
 )
-def test_any_heads_and_widths(rng, n, lkv, r, impl):
+def test_any_heads_and_widths(rng, n, lkv, r, impl, heads_major):
     """Head counts of tensor-parallel shards (8, 4, 1 heads) and widths that are no power
-    of two run, padded to Triton tiles inside the kernel."""
+    of two run, padded to Triton tiles inside the kernel; split requests merged; q_lat and
+    out in either layout (``heads_major``: padded, read, written and merged heads-leading)."""
     args = _case(rng, [37, 1, 0, 90], n=n, lkv=lkv, r=r, block_size=16)
     got = _run(
         args,
         impl=impl,
+        heads_major=heads_major,
         scale=0.2,
         schedule=decode.schedule_splits(args[-1], num_programs=5, block_k=32, num_items=9),
         config=dataclasses.replace(decode.DecodeConfig.for_shape(n, 4), block_k=32),
@@ -196,8 +205,9 @@ def test_deepseek_dims(rng, impl):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_major", [False, True], ids=["batch-major", "heads-major"])
 @pytest.mark.parametrize("n", [16, 128])
-def test_deepseek_scale_compiled(rng, n):
+def test_deepseek_scale_compiled(rng, n, heads_major):
     """A ragged batch of 64 requests up to 4096 tokens at DeepSeek's dims and page 64 on
     the scheduler's real program count: too slow to interpret, so GPU only."""
     lens = rng.integers(1, 4096, 64)
@@ -211,6 +221,7 @@ def test_deepseek_scale_compiled(rng, n):
         scale=0.07,
         config=config,
         schedule=decode.schedule_splits(args[-1], num_programs=programs, block_k=config.block_k),
+        heads_major=heads_major,
     )
     _check(got, _expected(*args, 0.07), args[-1], jnp.bfloat16)
 

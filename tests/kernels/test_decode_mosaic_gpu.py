@@ -48,16 +48,22 @@ if jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"):
 BF16 = jnp.bfloat16
 
 
-def _run(args, *, scale, schedule=None, **kwargs):
+def _run(args, *, scale, schedule=None, heads_major=False, **kwargs):
+    """The kernel on ``args`` (batch-leading); with ``heads_major`` its q_lat goes in and
+    its out comes back heads-leading, and is returned batch-leading."""
     q_lat, q_pe, cache, table, lens = args
-    return mosaic.mla_decode(
+    if heads_major:
+        q_lat = np.swapaxes(q_lat, 0, 1)
+    out, lse = mosaic.mla_decode(
         *(jnp.asarray(a, BF16) for a in (q_lat, q_pe, cache)),
         jnp.asarray(table),
         jnp.asarray(lens),
         scale=scale,
         schedule=schedule,
+        heads_major=heads_major,
         **kwargs,
     )
+    return (jnp.swapaxes(out, 0, 1) if heads_major else out), lse
 
 
 LSE_TOL = 1e-5
@@ -77,21 +83,24 @@ def _check(args, scale, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "n,config",
+    "n,config,heads_major",
     [
-        (8, None),
-        (16, None),
-        (64, None),
-        (128, None),
-        (256, None),
-        pytest.param(128, UNPAIRED, id="128-unpaired"),
+        (8, None, False),
+        (16, None, False),
+        (64, None, False),
+        (128, None, False),
+        (256, None, False),
+        pytest.param(128, UNPAIRED, False, id="128-unpaired"),
+        pytest.param(16, None, True, id="16-heads-major"),
+        pytest.param(128, None, True, id="128-heads-major"),
     ],
 )
-def test_heads_lengths_and_splits(rng, n, config):
+def test_heads_lengths_and_splits(rng, n, config, heads_major):
     """Empty, one-token, page-boundary and ragged requests, each split over several
     programs and merged; heads padded to the wgmma tile (8, 16) or whole tiles (64), pairs
     of 64-head blocks as clusters (multicast: one pair at 128 heads, two at 256), or each
-    block alone (unpaired)."""
+    block alone (unpaired); q_lat and out heads-leading (``heads_major``), padded and
+    paired."""
     lens = [0, 1, 64, 65, 190, int(rng.integers(1, 256))]
     args = bf16_tests._case(rng, lens, n=n, lkv=128, r=64, block_size=64, dtype=BF16)
     programs = 4
@@ -101,7 +110,7 @@ def test_heads_lengths_and_splits(rng, n, config):
         block_k=mosaic.PAGE,
         num_items=pallas_triton.max_items(len(lens), programs),
     )
-    _check(args, 0.13, schedule=schedule, config=config)
+    _check(args, 0.13, schedule=schedule, config=config, heads_major=heads_major)
 
 
 def test_whole_requests_without_schedule(rng):
@@ -197,22 +206,27 @@ def test_deepseek_dims(rng):
 )
 @pytest.mark.parametrize("cache_kind", ["bf16", "fp8", "fp8-float16"])
 @pytest.mark.parametrize(
-    "n,config",
+    "n,config,heads_major",
     [
-        (16, mosaic.MosaicDecodeConfig()),
-        (128, mosaic.MosaicDecodeConfig()),
+        (16, mosaic.MosaicDecodeConfig(), False),
+        (128, mosaic.MosaicDecodeConfig(), False),
         # Pairs over the FP8 cache, none over bf16: with the defaults, every combination.
         pytest.param(
-            128, mosaic.MosaicDecodeConfig(multicast=False, fp8_multicast=True), id="128-swapped"
+            128,
+            mosaic.MosaicDecodeConfig(multicast=False, fp8_multicast=True),
+            False,
+            id="128-swapped",
         ),
+        pytest.param(128, mosaic.MosaicDecodeConfig(), True, id="128-heads-major"),
     ],
 )
-def test_lowers_for_sm90(n, config, cache_kind):
+def test_lowers_for_sm90(n, config, cache_kind, heads_major):
     """The compiled kernel's Mosaic GPU lowering, run on any machine (the arch defaults to
     sm90 off a GPU): layout inference, TMA alignment and shared memory (the kernel fills
-    all but a few KB of it, with either cache, and with float16 wgmmas over FP8), and the
-    cluster's multicast copies and barriers, are checked there; only ptxas and the run
-    need the GPU."""
+    all but a few KB of it, with either cache, and with float16 wgmmas over FP8), the
+    cluster's multicast copies and barriers, and heads-leading queries and outputs (a
+    strided copy and strided stores), are checked there; only ptxas and the run need the
+    GPU."""
     quantized, float16 = cache_kind != "bf16", cache_kind == "fp8-float16"
     b, heads, lkv = 4, mosaic.padded_heads(n), 512
     lens = np.array([300, 64, 1, 0])
@@ -233,6 +247,7 @@ def test_lowers_for_sm90(n, config, cache_kind):
             items=schedule.item_req.shape[0],
             config=config,
             interpret=False,
+            heads_major=heads_major,
         )
     )
     page = (32, mosaic.PAGE)
@@ -245,7 +260,10 @@ def test_lowers_for_sm90(n, config, cache_kind):
     else:
         cache = jax.ShapeDtypeStruct((*page, lkv + mosaic.ROPE), BF16)
     args = (
-        jax.ShapeDtypeStruct((b, heads, lkv), jnp.float16 if float16 else BF16),
+        jax.ShapeDtypeStruct(
+            (heads, b, lkv) if heads_major else (b, heads, lkv),
+            jnp.float16 if float16 else BF16,
+        ),
         jax.ShapeDtypeStruct((b, heads, mosaic.ROPE), BF16),
         cache,
         jax.ShapeDtypeStruct((b, heads), jnp.float32) if float16 else None,
@@ -288,7 +306,7 @@ def test_bad_inputs_are_refused_like_triton(rng):
         mosaic.mla_decode(*a[:3], a[3] + 1000, jnp.asarray(lens), scale=1.0)
 
 
-def _check_at_deepseek_scale(rng, lens, n, config=None):
+def _check_at_deepseek_scale(rng, lens, n, config=None, heads_major=False):
     """Requests of ``lens`` at DeepSeek's dims, page 64, split over the kernel's own
     program count: too slow to interpret, so GPU only."""
     args = bf16_tests._case(rng, lens, n=n, lkv=512, r=64, block_size=64, dtype=BF16)
@@ -299,16 +317,18 @@ def _check_at_deepseek_scale(rng, lens, n, config=None):
         block_k=mosaic.PAGE,
         num_items=pallas_triton.max_items(len(lens), programs),
     )
-    _check(args, 0.07, schedule=schedule, config=config)
+    _check(args, 0.07, schedule=schedule, config=config, heads_major=heads_major)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [8, 16, 64, 128])
-def test_deepseek_scale_compiled(rng, n):
-    """A ragged batch of 64 requests up to 4096 tokens."""
+@pytest.mark.parametrize(
+    "n,heads_major", [(8, False), (16, False), (64, False), (128, False), (16, True), (128, True)]
+)
+def test_deepseek_scale_compiled(rng, n, heads_major):
+    """A ragged batch of 64 requests up to 4096 tokens (q_lat and out in either layout)."""
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
-    _check_at_deepseek_scale(rng, lens, n)
+    _check_at_deepseek_scale(rng, lens, n, heads_major=heads_major)
 
 
 @pytest.mark.gpu
@@ -401,9 +421,10 @@ def _check_fp8(
     block_k=mosaic.PAGE,
     config=None,
     row_exponents=(0, 0),
+    heads_major=False,
 ):
     """``row_exponents``: each query row (latent and rope) times a power of two drawn from
-    that range."""
+    that range; ``heads_major``: q_lat in and out back heads-leading."""
     args, dequantized = fp8_tests._fp8_case(rng, lens, n=n, lkv=lkv, r=mosaic.ROPE, block_size=64)
     q_lat, q_pe, cache, table, lens = args
     rows = 2.0 ** rng.integers(row_exponents[0], row_exponents[1] + 1, (len(lens), n, 1))
@@ -417,6 +438,8 @@ def _check_fp8(
         )
     queries = jnp.asarray(q_lat, BF16), jnp.asarray(q_pe, BF16)
     assert mosaic.unsupported(*queries, cache) is None  # no fallback to Triton
+    if heads_major:
+        queries = jnp.swapaxes(queries[0], 0, 1), queries[1]
     got = mosaic.mla_decode(
         *queries,
         cache,
@@ -425,7 +448,10 @@ def _check_fp8(
         scale=scale,
         schedule=schedule,
         config=config,
+        heads_major=heads_major,
     )
+    if heads_major:
+        got = jnp.swapaxes(got[0], 0, 1), got[1]
     want = bf16_tests._expected(q_lat, q_pe, dequantized, table, lens, scale)
     out, lse = (np.asarray(jnp.asarray(a, jnp.float32)) for a in got)
     live = lens > 0
@@ -479,10 +505,12 @@ def test_fp8_deepseek_dims(rng):
     _check_fp8(rng, [150], n=16, lkv=512, scale=0.07)
 
 
+@pytest.mark.parametrize("heads_major", [False, True], ids=["batch-major", "heads-major"])
 @pytest.mark.parametrize("config", MMA_CONFIGS)
-def test_fp8_queries_of_any_magnitude(rng, config):
+def test_fp8_queries_of_any_magnitude(rng, config, heads_major):
     """Query rows from 2^-12 to 2^12 times their draw, in one head block: each row's own
-    power of two into float16's range (float16 MMA), undone in its softmax."""
+    power of two into float16's range (float16 MMA), undone in its softmax; the rows'
+    factors follow heads-leading queries (``heads_major``) to their own rows."""
     _check_fp8(
         rng,
         [70, 130],
@@ -492,6 +520,7 @@ def test_fp8_queries_of_any_magnitude(rng, config):
         programs=3,
         config=config,
         row_exponents=(-12, 12),
+        heads_major=heads_major,
     )
 
 
@@ -506,10 +535,20 @@ def test_fp8_queries_of_any_magnitude(rng, config):
 @pytest.mark.parametrize("n", [16, 64, 128])
 def test_fp8_deepseek_scale_compiled(rng, n, config):
     """test_deepseek_scale_compiled over the FP8 cache: a ragged batch of 64 requests up to
-    4096 tokens on the kernel's own program count (GPU only)."""
+    4096 tokens on the kernel's own program count (GPU only); at 128 heads q_lat and out
+    heads-leading."""
     lens = rng.integers(1, 4096, 64)
     lens[:4] = [4096, 1, 64, 0]
-    _check_fp8(rng, lens, n=n, lkv=512, scale=0.07, programs=mosaic.num_programs(n), config=config)
+    _check_fp8(
+        rng,
+        lens,
+        n=n,
+        lkv=512,
+        scale=0.07,
+        programs=mosaic.num_programs(n),
+        config=config,
+        heads_major=n == 128,
+    )
 
 
 @pytest.mark.parametrize(

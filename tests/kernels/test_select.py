@@ -135,14 +135,18 @@ def test_plan_follows_the_decode_kernel():
         (128, 2, True, True),
     ],
 )
-def test_hopper_decode_dispatch(monkeypatch, heads, batch, quantized, mosaic):
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_hopper_decode_dispatch(monkeypatch, heads, batch, quantized, mosaic, heads_major):
     """The Hopper set's decode calls the Mosaic GPU kernel from 64 heads, and below that over
-    an FP8 cache from ``FP8_MIN_BATCH`` requests; Triton's elsewhere."""
+    an FP8 cache from ``FP8_MIN_BATCH`` requests; Triton's elsewhere (in either layout of the
+    queries)."""
     calls = []
     monkeypatch.setattr(pallas_mosaic_gpu, "mla_decode", lambda *a, **k: calls.append("mosaic"))
     monkeypatch.setattr(kernels.decode, "mla_decode", lambda *a, **k: calls.append("triton"))
-    q_lat = np.zeros((batch, heads, 128), np.float32)
+    q_lat = np.zeros((heads, batch, 128) if heads_major else (batch, heads, 128), np.float32)
     cache = kernels.fp8.Fp8Cache(None, None, None) if quantized else np.zeros((1, 64, 192))
-    kernels.MOSAIC_GPU.mla_decode(q_lat, None, cache, None, None, scale=1.0)
+    kernels.MOSAIC_GPU.mla_decode(
+        q_lat, None, cache, None, None, scale=1.0, heads_major=heads_major
+    )
     assert calls == ["mosaic" if mosaic else "triton"]
     assert pallas_triton.mla_decode is not None

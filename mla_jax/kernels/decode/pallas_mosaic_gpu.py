@@ -226,12 +226,14 @@ def mla_decode(
     config: MosaicDecodeConfig | None = None,
     combine_config: pallas_triton.DecodeConfig | None = None,
     interpret: bool | None = None,
+    heads_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache (the contract of
     ``pallas_triton.mla_decode``).
 
     Args:
-      q_lat: ``[B, N, Lkv]`` bf16 queries in the latent space (any N).
+      q_lat: ``[B, N, Lkv]`` bf16 queries in the latent space (any N); ``[N, B, Lkv]``
+        with ``heads_major``.
       q_pe: ``[B, N, R]`` bf16 rotated rope queries.
       kv_cache: ``[num_blocks, 64, Lkv + R]`` bf16 rows ``concat(kv_c, k_pe)``, or an
         ``fp8.Fp8Cache`` of pages of 64 (dequantized exactly into bf16 in shared memory).
@@ -247,9 +249,12 @@ def mla_decode(
       combine_config: its ``combine_*`` fields launch the merge of split requests (the
         Triton kernel's ``combine_splits``; default: ``DecodeConfig.for_shape(N, B)``'s).
       interpret: run in Mosaic GPU's interpret mode (default: off a GPU).
+      heads_major: q_lat and out with heads leading, ``[N, B, Lkv]``
+        (``pallas_triton.mla_decode``'s).
 
     Returns:
-      ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
+      ``out [B, N, Lkv]`` (``[N, B, Lkv]`` with ``heads_major``) in q's dtype and
+      ``lse [B, N]`` float32 (natural log).
     """
     reason = unsupported(q_lat, q_pe, kv_cache)
     if reason is not None:
@@ -265,11 +270,13 @@ def mla_decode(
             scale=scale,
             schedule=schedule,
             interpret=interpret,
+            heads_major=heads_major,
         )
-    b, n, lkv = q_lat.shape
+    view = pallas_triton.batch_major_view(q_lat, heads_major)
+    b, n, lkv = view.shape
     triton_config = pallas_triton.DecodeConfig.for_shape(n, b)
     # The same checks and the same one-line errors as the Triton kernel.
-    pallas_triton._check(q_lat, q_pe, kv_cache, block_table, seq_lens, triton_config.block_h)
+    pallas_triton._check(view, q_pe, kv_cache, block_table, seq_lens, triton_config.block_h)
     pallas_triton._check_values(kv_cache, block_table, seq_lens)
     if interpret is None:
         interpret = online_softmax.interpret_default()
@@ -302,6 +309,7 @@ def mla_decode(
         config=config,
         combine_config=combine_config,
         interpret=interpret,
+        heads_major=heads_major,
     )
 
 
@@ -313,7 +321,9 @@ def _scales_past_float16(kv_cache) -> bool:
     return bool(np.nanmax(np.asarray(kv_cache.scales), initial=0.0) > FLOAT16_MAX_SCALE)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "combine_config", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "config", "combine_config", "interpret", "heads_major")
+)
 def _mla_decode(
     q_lat,
     q_pe,
@@ -326,10 +336,11 @@ def _mla_decode(
     config,
     combine_config,
     interpret,
+    heads_major,
 ):
-    b, n, lkv = q_lat.shape
+    b, n, lkv = pallas_triton.batch_major_view(q_lat, heads_major).shape
     heads = padded_heads(n)
-    q_lat = online_softmax.pad_to(q_lat, (b, heads, lkv))
+    q_lat = online_softmax.pad_to(q_lat, pallas_triton.head_shape(b, heads, lkv, heads_major))
     q_pe = online_softmax.pad_to(q_pe, (b, heads, ROPE))
     if schedule is None:
         schedule = pallas_triton._whole_requests(seq_lens)
@@ -340,8 +351,10 @@ def _mla_decode(
         # Each query row (and its rope part, which stays bf16) times the power of two that
         # puts the row into float16's range; the kernel scales its scores back.
         q_lat, row_factors = matmul_steps.float16_rows(q_lat.reshape(b * heads, lkv))
-        q_lat = q_lat.reshape(b, heads, lkv)
-        row_factors = row_factors.reshape(b, heads)
+        q_lat = q_lat.reshape(pallas_triton.head_shape(b, heads, lkv, heads_major))
+        row_factors = row_factors.reshape(q_lat.shape[:2])
+        if heads_major:
+            row_factors = row_factors.T
         q_pe = (q_pe.astype(jnp.float32) / row_factors[..., None]).astype(q_pe.dtype)
     out, lse, o_part, lse_part = _decode_call(
         q_lat,
@@ -355,6 +368,7 @@ def _mla_decode(
         items=items,
         config=config,
         interpret=interpret,
+        heads_major=heads_major,
     )
     out, lse = pallas_triton.combine_splits(
         schedule.req_items,
@@ -364,8 +378,9 @@ def _mla_decode(
         lse,
         config=combine_config,
         interpret=interpret,
+        heads_major=heads_major,
     )
-    return out[:, :n], lse[:, :n]
+    return pallas_triton.unpad_out(out, n, lkv, heads_major), lse[:, :n]
 
 
 def _decode_call(
@@ -381,11 +396,12 @@ def _decode_call(
     items,
     config,
     interpret,
+    heads_major,
 ):
     """The split-KV kernel: ``(out, lse)`` of the items that cover a request whole, the
     float32 partials ``(o_part, lse_part)`` of the others. ``row_factors [B, heads]``
     float32 (or None): what undoes the float16 queries' scaling (``float16_mma``)."""
-    b, heads, lkv = q_lat.shape
+    b, heads, lkv = pallas_triton.batch_major_view(q_lat, heads_major).shape
     quantized = isinstance(kv_cache, fp8.Fp8Cache)
     # The latent wgmmas' operands (queries, pages, probabilities): float16 under float16_mma.
     mma_dtype = q_lat.dtype
@@ -445,9 +461,11 @@ def _decode_call(
             float16_scores=row_factors is not None,
             clustered=clustered,
             interpret=bool(interpret),
+            heads_major=heads_major,
         ),
         out_type=(
-            jax.ShapeDtypeStruct((b, heads, lkv), q_pe.dtype),  # (q_lat may be float16)
+            # (q_lat may be float16)
+            jax.ShapeDtypeStruct(pallas_triton.head_shape(b, heads, lkv, heads_major), q_pe.dtype),
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
             jax.ShapeDtypeStruct((items, heads, lkv), jnp.float32),
             jax.ShapeDtypeStruct((items, heads), jnp.float32),
@@ -501,6 +519,7 @@ def _kernel(
     float16_scores,
     clustered,
     interpret,
+    heads_major,
     fp8_smem=None,
     dq_ready=None,
 ):
@@ -508,7 +527,8 @@ def _kernel(
     the refs are the kernel's inputs, outputs and shared memory (see ``_decode_call``): the
     cache is one bf16 ref ``[blocks, 64, Lkv + R]`` or an FP8 cache's three (``kv_c``,
     ``k_pe``, ``scales``), which come with ``fp8_smem`` and ``dq_ready``; with
-    ``float16_scores`` the queries' row factors ``[B, heads]`` follow the cache."""
+    ``float16_scores`` the queries' row factors ``[B, heads]`` follow the cache. ``q_lat``
+    and ``out`` are ``[heads, B, Lkv]`` with ``heads_major``."""
     quantized = fp8_smem is not None
     *inputs, out_ref, lse_ref, o_part_ref, lse_part_ref = cache_factors_and_out_refs
     cache_refs = inputs[: 3 if quantized else 1]
@@ -633,7 +653,11 @@ def _kernel(
                 def _():
                     plgpu.barrier_wait(q_free)
 
-                plgpu.copy_gmem_to_smem(q_lat_ref.at[req, heads], q_lat_smem, q_ready)
+                plgpu.copy_gmem_to_smem(
+                    q_lat_ref.at[pallas_triton.head_rows(req, heads, heads_major)],
+                    q_lat_smem,
+                    q_ready,
+                )
                 plgpu.copy_gmem_to_smem(q_pe_ref.at[req, heads], q_pe_smem, q_ready)
                 for k in range(NUM_SLOTS):
                     pl.when(k < pages)(functools.partial(load_page, k))
@@ -858,7 +882,9 @@ def _kernel(
 
             @pl.when(whole)
             def _():
-                out_ref[req, heads, half] = out.astype(out_ref.dtype)
+                out_ref[(*pallas_triton.head_rows(req, heads, heads_major), half)] = out.astype(
+                    out_ref.dtype
+                )
                 if w == 0:
                     lse_ref[req, heads] = lse
 

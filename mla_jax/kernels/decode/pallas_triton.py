@@ -53,6 +53,25 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // 16) * 16
 
 
+def head_rows(req, heads, heads_major: bool) -> tuple:
+    """The index of request ``req``'s rows ``heads`` in ``q_lat`` or ``out``: ``[B, N, ...]``,
+    or ``[N, B, ...]`` with ``heads_major``."""
+    return (heads, req) if heads_major else (req, heads)
+
+
+def batch_major_view(q_lat, heads_major: bool):
+    """``q_lat``'s shape and dtype as ``[B, N, Lkv]`` (what the checks read), without a
+    transpose."""
+    if heads_major and q_lat.ndim == 3:
+        return jax.ShapeDtypeStruct((q_lat.shape[1], q_lat.shape[0], q_lat.shape[2]), q_lat.dtype)
+    return q_lat
+
+
+def head_shape(batch: int, heads: int, width: int, heads_major: bool) -> tuple[int, int, int]:
+    """The shape of ``q_lat`` or ``out`` for ``batch`` requests of ``heads`` heads."""
+    return (heads, batch, width) if heads_major else (batch, heads, width)
+
+
 # Up to this many rows (the engine's smallest decode batch) the merge kernel splits its work
 # finely enough that one request holding every split keeps many programs busy: on an H200
 # (2026-11-27, ``bench_decode.py --sweep combine``, ``decode_combine_sweep.json``) one
@@ -356,9 +375,11 @@ def _decode_kernel(
     split_tail: bool,
     prefetch: bool,
     fp8_compute: str,
+    heads_major: bool,
 ):
     """One program x one block of heads: online softmax over each of its items. Queries
-    and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns).
+    and outputs are padded tiles (``q_lat_ref.shape[-1]`` >= ``num_lat`` columns), heads
+    leading with ``heads_major``.
     ``refs``: the cache refs (see ``_load_keys``), then out, lse, o_part and lse_part."""
     cache_refs, (out_ref, lse_ref, o_part_ref, lse_part_ref) = refs[:-4], refs[-4:]
     quantized = len(cache_refs) > 1
@@ -374,8 +395,9 @@ def _decode_kernel(
 
     def item(i, carry):
         req, start, end = item_req_ref[i], item_start_ref[i], item_end_ref[i]
+        rows_of_req = head_rows(req, heads, heads_major)
         q_lat = tuple(
-            q_lat_ref[req, heads, pl.ds(g.first, g.tile)].astype(lat_dtype) for g in groups
+            q_lat_ref[(*rows_of_req, pl.ds(g.first, g.tile))].astype(lat_dtype) for g in groups
         )
         q_pe = q_pe_ref[req, heads, :]
         # Tokens past the item's end read its last token instead, a row the request owns:
@@ -448,7 +470,7 @@ def _decode_kernel(
         @pl.when(whole)
         def _():
             for g, out_g in zip(groups, out, strict=True):
-                out_ref[req, heads, pl.ds(g.first, g.tile)] = out_g.astype(out_ref.dtype)
+                out_ref[(*rows_of_req, pl.ds(g.first, g.tile))] = out_g.astype(out_ref.dtype)
             lse_ref[req, heads] = lse
 
         @pl.when(jnp.logical_not(whole))
@@ -474,6 +496,7 @@ def _combine_kernel(
     block_h: int,
     block_d: int,
     block_items: int,
+    heads_major: bool,
 ):
     """LSE-merges the partial results of one split request (``block_items`` at a time) for
     ``block_h`` heads x ``block_d`` latent dims; empty requests get 0 and -inf; requests of
@@ -499,7 +522,7 @@ def _combine_kernel(
             0, pl.cdiv(last - first, block_items), body, online_softmax.init(block_h, block_d)
         )
         out, lse = online_softmax.finalize(state, log2_domain=False)
-        out_ref[b, heads, dims] = out.astype(out_ref.dtype)
+        out_ref[(*head_rows(b, heads, heads_major), dims)] = out.astype(out_ref.dtype)
 
         @pl.when(d == 0)
         def _():
@@ -593,11 +616,13 @@ def mla_decode(
     schedule: DecodeSchedule | None = None,
     config: DecodeConfig | None = None,
     interpret: bool | None = None,
+    heads_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode over a paged latent cache.
 
     Args:
-      q_lat: ``[B, N, Lkv]`` queries in the latent space (any N, Lkv >= 1).
+      q_lat: ``[B, N, Lkv]`` queries in the latent space (any N, Lkv >= 1); ``[N, B, Lkv]``
+        with ``heads_major``.
       q_pe: ``[B, N, R]`` rotated rope queries.
       kv_cache: ``[num_blocks, block_size, Lkv + R]`` rows ``concat(kv_c, k_pe)`` in q's
         dtype, or an ``fp8.Fp8Cache`` (queries in its k_pe dtype, bf16): its latent tiles
@@ -614,13 +639,18 @@ def mla_decode(
         ``seq_lens`` by ``truncate_schedule``; None runs each request whole in a program of
         its own.
       config: launch parameters (default: ``DecodeConfig.for_shape(N, B, quantized)``).
+      heads_major: q_lat and out with heads leading, ``[N, B, Lkv]``: the layout the
+        absorbed path's batched matmuls (one a head) take and give, so that neither side
+        transposes them.
 
     Returns:
-      ``out [B, N, Lkv]`` in q's dtype and ``lse [B, N]`` float32 (natural log).
+      ``out [B, N, Lkv]`` (``[N, B, Lkv]`` with ``heads_major``) in q's dtype and
+      ``lse [B, N]`` float32 (natural log).
     """
-    b, n = q_lat.shape[:2] if q_lat.ndim == 3 else (0, 0)
+    view = batch_major_view(q_lat, heads_major)
+    b, n = view.shape[:2] if view.ndim == 3 else (0, 0)
     config = config or DecodeConfig.for_shape(n, b, isinstance(kv_cache, fp8.Fp8Cache))
-    _check(q_lat, q_pe, kv_cache, block_table, seq_lens, config.block_h)
+    _check(view, q_pe, kv_cache, block_table, seq_lens, config.block_h)
     _check_values(kv_cache, block_table, seq_lens)
     if config.prefetch and config.split_tail:
         raise ValueError("config.prefetch needs split_tail False (it runs one masked loop)")
@@ -647,14 +677,25 @@ def mla_decode(
         scale=scale,
         config=config,
         interpret=interpret,
+        heads_major=heads_major,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "heads_major"))
 def _mla_decode(
-    q_lat, q_pe, kv_cache, block_table, seq_lens, schedule, *, scale, config, interpret
+    q_lat,
+    q_pe,
+    kv_cache,
+    block_table,
+    seq_lens,
+    schedule,
+    *,
+    scale,
+    config,
+    interpret,
+    heads_major,
 ):
-    b, n, lkv = q_lat.shape
+    b, n, lkv = batch_major_view(q_lat, heads_major).shape
     rope = q_pe.shape[-1]
     num_blocks, block_size, _ = kv_cache.shape
     # Each part of the cache as [slots, columns] (one array, or the FP8 layout's three).
@@ -663,7 +704,7 @@ def _mla_decode(
     ]
     heads = padded_heads(n)
     lat_tile = online_softmax.tile_width(lkv)
-    q_lat = online_softmax.pad_to(q_lat, (b, heads, lat_tile))
+    q_lat = online_softmax.pad_to(q_lat, head_shape(b, heads, lat_tile, heads_major))
     q_pe = online_softmax.pad_to(q_pe, (b, heads, online_softmax.tile_width(rope)))
     if schedule is None:
         schedule = _whole_requests(seq_lens)
@@ -681,10 +722,11 @@ def _mla_decode(
             split_tail=config.split_tail,
             prefetch=config.prefetch,
             fp8_compute=config.fp8_compute,
+            heads_major=heads_major,
         ),
         grid=(heads // config.block_h, num_programs),
         out_shape=(
-            jax.ShapeDtypeStruct((b, heads, lat_tile), q_lat.dtype),
+            jax.ShapeDtypeStruct(head_shape(b, heads, lat_tile, heads_major), q_lat.dtype),
             jax.ShapeDtypeStruct((b, heads), jnp.float32),
             jax.ShapeDtypeStruct((num_items, heads, lat_tile), jnp.float32),
             jax.ShapeDtypeStruct((num_items, heads), jnp.float32),
@@ -706,9 +748,23 @@ def _mla_decode(
         *cache_parts,
     )
     out, lse = combine_splits(
-        schedule.req_items, o_part, lse_part, out, lse, config=config, interpret=interpret
+        schedule.req_items,
+        o_part,
+        lse_part,
+        out,
+        lse,
+        config=config,
+        interpret=interpret,
+        heads_major=heads_major,
     )
-    return out[:, :n, :lkv], lse[:, :n]
+    return unpad_out(out, n, lkv, heads_major), lse[:, :n]
+
+
+def unpad_out(out: jax.Array, num_heads: int, width: int, heads_major: bool) -> jax.Array:
+    """``out`` without its padding heads and columns."""
+    if heads_major:
+        return out[:num_heads, :, :width]
+    return out[:, :num_heads, :width]
 
 
 def combine_splits(
@@ -720,19 +776,22 @@ def combine_splits(
     *,
     config: DecodeConfig,
     interpret: bool,
+    heads_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The second pass of a split-KV decode: LSE-merges the float32 partial results
     ``o_part [I, H, D]``, ``lse_part [I, H]`` of each request split over several items into
-    ``out [B, H, D]`` and ``lse [B, H]`` (updated in place: rows of requests run whole are
-    kept, empty requests get 0 and -inf). ``H`` and ``D`` must be multiples of the config's
-    combine blocks."""
-    b, heads, width = out.shape
+    ``out [B, H, D]`` (``[H, B, D]`` with ``heads_major``) and ``lse [B, H]`` (updated in
+    place: rows of requests run whole are kept, empty requests get 0 and -inf). ``H`` and
+    ``D`` must be multiples of the config's combine blocks."""
+    b, heads = lse.shape
+    width = out.shape[-1]
     return pl.pallas_call(
         functools.partial(
             _combine_kernel,
             block_h=config.combine_block_h,
             block_d=config.combine_block_d,
             block_items=config.combine_block_items,
+            heads_major=heads_major,
         ),
         grid=(heads // config.combine_block_h, b, width // config.combine_block_d),
         out_shape=(

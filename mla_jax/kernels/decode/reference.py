@@ -24,6 +24,7 @@ def mla_decode(
     schedule=None,
     config=None,
     interpret=None,
+    heads_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA decode: MQA of ``[q_lat, q_pe]`` over the paged latent cache.
 
@@ -38,11 +39,15 @@ def mla_decode(
       scale: softmax scale.
       schedule, config, interpret: the Pallas kernel's work plan, launch parameters and
         mode; ignored here.
+      heads_major: q_lat and out are ``[N, B, Lkv]``.
 
     Returns:
-      ``out [B, N, Lkv]`` (q_lat's dtype) and ``lse [B, N]`` float32.
+      ``out [B, N, Lkv]`` (``[N, B, Lkv]`` with ``heads_major``; q_lat's dtype) and
+      ``lse [B, N]`` float32.
     """
     del schedule, config, interpret
+    if heads_major:
+        q_lat = jnp.swapaxes(q_lat, 0, 1)
     num_lat = q_lat.shape[-1]
     b, w = block_table.shape
     positions = jnp.arange(w * kv_cache.shape[1])[None, :]
@@ -54,4 +59,6 @@ def mla_decode(
     s += jnp.einsum("bnr,bkr->bnk", q_pe, k_pe, preferred_element_type=f32)
     p, lse = online_softmax.softmax_with_lse(s * scale, mask[:, None, :])
     out = jnp.einsum("bnk,bkl->bnl", p, kv_c.astype(f32), preferred_element_type=f32)
+    if heads_major:
+        out = jnp.swapaxes(out, 0, 1)
     return out.astype(q_lat.dtype), lse
