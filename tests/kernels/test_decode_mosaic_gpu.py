@@ -377,6 +377,7 @@ def test_multicast_pairs_head_blocks(monkeypatch, n, pairs):
                 items=args[-1].item_req.shape[0],
                 config=config,
                 interpret=interpret,
+                heads_major=False,
             ),
             *args,
         )
