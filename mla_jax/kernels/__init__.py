@@ -28,9 +28,8 @@ class KernelSet(NamedTuple):
     ``decode.mla_decode``, ``prefill.flash_prefill``, ``merge.merge_attn_states``,
     ``grouped_matmul.grouped_matmul`` and ``fp8_matmul.fp8_matmul`` in turn (arrays, scale,
     causal, schedule, the decode's ``heads_major``, FP8 weights' scales, blocks and the layer
-    of a stacked weight); the FP8
-    matmul also takes ``tensor_split``, how tensor parallelism splits its weight
-    (``on_whole_weights``). ``backend`` names the set
+    of a stacked weight); the FP8 matmul also takes ``tensor_split``, how tensor parallelism
+    splits its weight (``on_whole_weights``). ``backend`` names the set
     (``"reference"``, ``"triton"`` or ``"mosaic_gpu"``): the host plans the Pallas kernels'
     schedules for it (``KernelPlan``)."""
 

@@ -60,8 +60,8 @@ def head_rows(req, heads, heads_major: bool) -> tuple:
 
 
 def batch_major_view(q_lat, heads_major: bool):
-    """``q_lat``'s shape and dtype as ``[B, N, Lkv]`` (what the checks read), without a
-    transpose."""
+    """``q_lat``'s shape and dtype as ``[B, N, Lkv]`` (what the checks read, and the shape
+    their errors name), without a transpose."""
     if heads_major and q_lat.ndim == 3:
         return jax.ShapeDtypeStruct((q_lat.shape[1], q_lat.shape[0], q_lat.shape[2]), q_lat.dtype)
     return q_lat
