@@ -14,7 +14,9 @@ A second table puts the kernel over FP8 weights (float8_e4m3fn, 128 x 128 block 
 DeepSeek-V3 ships them) beside the Triton FP8 kernel (``fp8_matmul.fastest``: what the
 Triton kernel set runs, and the Hopper set for K under ``fp8_matmul.SKINNY_MIN_K``) and the
 bf16 weight's XLA dot, on V3's projections (issue 23 asks
-an FP8 projection at decode for <= 0.6x the bf16 time); its bandwidth counts the e4m3 bytes.
+an FP8 projection at decode for <= 0.6x the bf16 time), and beside them the w8a8 matmul
+(``mla_jax/kernels/w8a8_matmul``: the weight in HF's ``[N, K]`` layout, x quantized into e4m3,
+e4m3 wgmmas); its bandwidth counts the e4m3 bytes.
 ``--sweep``: the kernel's launch parameters (column block, step depth, stages, slices) on
 V2-Lite's shapes at 16 rows (``skinny_matmul_sweep.json``, under --out only).
 
@@ -35,6 +37,7 @@ from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import skinny_matmul as skinny
+from mla_jax.kernels import w8a8_matmul as w8a8
 from mla_jax.kernels.decode import device_num_sms
 from mla_jax.kernels.skinny_matmul import pallas_mosaic_gpu
 from mla_jax.model.layers import k_splits, split_k_dot
@@ -225,6 +228,19 @@ def _fp8_case(fn, x, stacks, want) -> dict:
     return {"us": time_us(f, [(x, *s) for s in stacks]), "rel_err": error}
 
 
+def _fp8_cells(case: dict, bf16_us: float, copy_us: float) -> list:
+    """An FP8 product's time (and its ratio to the bf16 weight's), share of the copy
+    bandwidth (``copy_us``: its e4m3 bytes' copy time) and error, or why it does not run."""
+    if "unsupported" in case:
+        return [f"does not run: {case['unsupported']}", "", ""]
+    us = case["us"].us
+    return [
+        f"{us:.1f} ({us / bf16_us:.2f}x)",
+        f"{100 * copy_us / us:.0f}%",
+        f"{case['rel_err']:.1e}",
+    ]
+
+
 def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
     """The FP8 table: bf16 XLA, the Triton FP8 kernel and this kernel over FP8, per V3
     projection and row count."""
@@ -259,20 +275,23 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             cells = [f"{name} [{k}, {n}]", m, round(bf16.us, 1)]
             timings = {"bf16": bf16}
             for label, case in (("triton_fp8", triton), ("kernel_fp8", kernel)):
-                if "unsupported" in case:
-                    cells += [f"does not run: {case['unsupported']}", "", ""]
-                    continue
-                timings[label] = case["us"]
-                cells += [
-                    f"{case['us'].us:.1f} ({case['us'].us / bf16.us:.2f}x)",
-                    f"{100 * k * n / case['us'].us / 1e3 / bandwidth_gbs:.0f}%",
-                    f"{case['rel_err']:.1e}",
-                ]
+                cells += _fp8_cells(case, bf16.us, k * n / bandwidth_gbs / 1e3)
+                timings.update({} if "unsupported" in case else {label: case["us"]})
             if "unsupported" not in kernel:
                 plan = pallas_mosaic_gpu.launch(m, k, n, Config(), device_num_sms(), FP8_BLOCKS)
                 cells.append(f"{plan.block_n} x {plan.splits}")
             else:
                 cells.append("")
+            hf_layout = [(w[1].T, scale[1].T) for w, scale in stacks]
+            reason = w8a8.unsupported(x, *hf_layout[0])
+            case = (
+                {"unsupported": reason}
+                if reason
+                else _fp8_case(lambda x, w, s: w8a8.w8a8_matmul(x, w, s), x, hf_layout, want)
+            )
+            print(name, m, "w8a8", jsonable(case), flush=True)
+            cells += _fp8_cells(case, bf16.us, k * n / bandwidth_gbs / 1e3)
+            timings.update({} if reason else {"w8a8": case["us"]})
             rows.append(row(cells, **timings))
     save(
         "skinny_matmul_fp8",
@@ -289,6 +308,9 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             "kernel of copy BW",
             "kernel rel err",
             "columns x slices",
+            "w8a8 us (/ bf16)",
+            "w8a8 of copy BW",
+            "w8a8 rel err",
         ],
         rows,
         [
@@ -302,6 +324,9 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             "layer 1, read in place, "
             "with its default launch (columns a program x slices of K; two compute warpgroups "
             "taking alternate steps).",
+            "w8a8: w8a8_matmul over the same layer in HF's [N, K] layout (a copy, e4m3 wgmmas), "
+            "x quantized per row and 128 columns into e4m3 in the same call; its rel err is "
+            "mostly that rounding of x (about 2.5%).",
             "Of copy BW: K N bytes (e4m3) over the time. rel err: relative L2 against a float32 "
             "product with the dequantized weight.",
         ],

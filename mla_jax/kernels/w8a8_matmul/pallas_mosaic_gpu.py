@@ -1,0 +1,242 @@
+"""``x [M, K] @ weight[N, K]^T`` for few rows (M <= 64) on FP8 tensor cores (Hopper, sm90):
+activations quantized to e4m3 per token and 128 columns, DeepSeek's FP8 weight as it ships.
+
+Hopper's e4m3 wgmma reads both operands K-major from shared memory, so the weight stays in
+HF's ``[N, K]`` layout and x is quantized as DeepSeek's inference does (``act_quant``: a
+float32 scale per row and 128 columns; here a power of two, ``quantize_rows``). The other
+FP8 kernels take ``[K, N]`` weights and convert each tile into 16 bits before a 16-bit MMA,
+which at 64 rows leaves them at 1.08-1.60x the bf16 weight's time
+(``skinny_matmul_fp8.json``). A program owns 128 output columns (one weight scale block)
+and one of ``splits`` slices of K; a memory warpgroup streams the slice's ``[128, 128]``
+e4m3 weight tiles, the matching ``[64, 128]`` tiles of quantized x and x's 64 scales of the
+step by TMA, ``stages`` steps ahead, and one compute warpgroup multiplies each step into a
+fresh float32 accumulator (x's rows, padded to 64, on the wgmma's M side) and adds it,
+times the step's weight scale and each row's x scale, to the sum it carries. XLA sums the
+slices' float32 parts.
+
+Numerics: x's rounding to e4m3 (3 mantissa bits) puts the product about 2.5% (relative L2)
+from ``x @ dequantize(weight)`` on normal inputs; against x's e4m3 values the kernel is
+exact up to its float32 accumulation and the bf16 output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .. import fp8, mosaic_gpu, online_softmax
+from ..decode import device_num_sms
+
+MAX_ROWS = 64  # x's rows on the wgmma's M side, one 64-row tile
+BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
+# and a program's columns; 128 e4m3 values are one 128-byte swizzled row
+SPLITS = (1, 2, 4, 8, 16)
+# Programs a launch aims for, per multiprocessor: V3's o_proj [7168, 16384] ran fastest in 4
+# slices (224 programs; 8: +8%) and its gate_proj [18432, 7168] in 2 (288; 1, 144 programs:
+# +7%) on an H100's 132 (64 rows; 2026-12-06, a trial script).
+PROGRAMS_PER_SM = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8MatmulConfig:
+    """Launch of the w8a8 matmul.
+
+    stages: pipeline steps in flight (a step: a 16 KB weight tile, an 8 KB tile of x).
+    splits: slices of K (None: the fewest of ``SPLITS`` that give ``PROGRAMS_PER_SM``
+      programs a multiprocessor, else the most that divide K's steps).
+    approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
+    """
+
+    stages: int = 6
+    splits: int | None = None
+    approx_math: bool = True
+    auto_barriers: bool = False
+
+
+def check(x: jax.Array, weight: jax.Array, scale_inv: jax.Array) -> None:
+    """Refuses, in one line naming it, an argument ``w8a8_matmul`` does not take."""
+    if x.ndim != 2 or weight.ndim != 2:
+        raise ValueError(
+            f"w8a8_matmul: x [M, K] and weight [N, K], got x {x.shape} and weight {weight.shape}"
+        )
+    if x.dtype != jnp.bfloat16 or weight.dtype != fp8.FP8 or scale_inv.dtype != jnp.float32:
+        raise ValueError(
+            "w8a8_matmul: bfloat16 x, a float8_e4m3fn weight and float32 scales, got "
+            f"{x.dtype}, {weight.dtype} and {scale_inv.dtype}"
+        )
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"w8a8_matmul: 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"w8a8_matmul: x's K ({x.shape[1]}) is not the weight's ({k})")
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(
+            f"w8a8_matmul: weight [{n}, {k}] is not whole {BLOCK} x {BLOCK} scale blocks"
+        )
+    if scale_inv.shape != (n // BLOCK, k // BLOCK):
+        raise ValueError(
+            f"w8a8_matmul: scale_inv {list(scale_inv.shape)} is not the weight's block grid "
+            f"{[n // BLOCK, k // BLOCK]}"
+        )
+
+
+def splits(k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> int:
+    """Slices of K for a ``[N, K]`` weight on ``num_sms`` multiprocessors (ValueError where
+    ``config.splits`` does not divide K's steps)."""
+    steps = k // BLOCK
+    if config.splits is not None:
+        if config.splits < 1 or steps % config.splits:
+            raise ValueError(
+                f"w8a8_matmul: {config.splits} slices of K do not divide its {steps} steps"
+            )
+        return config.splits
+    fits = [s for s in SPLITS if steps % s == 0]
+    enough = [s for s in fits if n // BLOCK * s >= PROGRAMS_PER_SM * num_sms]
+    return enough[0] if enough else fits[-1]
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [M, K]`` as the kernel reads it: ``[MAX_ROWS, K]`` float8_e4m3fn (rows past M
+    zero) and the ``[K / 128, MAX_ROWS]`` float32 scales of its rows' 128-column groups:
+    values x scales is x rounded to e4m3's 3 mantissa bits.
+
+    A group's scale is the smallest power of two at or above ``amax / 448`` (so nothing
+    saturates), found from ``amax``'s own exponent: ``448 = 0.875 x 2^9``, so for ``amax =
+    mantissa x 2^e`` (mantissa in [0.5, 1)) it is ``2^(e - 9)``, or ``2^(e - 8)`` where the
+    mantissa is above 0.875. No division is rounded (XLA may turn one by a constant into a
+    product by its reciprocal), so every backend picks the same scale, and dividing by a
+    power of two is exact. DeepSeek's ``act_quant`` takes ``amax / 448`` itself; e4m3
+    rounds relative to a value's own exponent, so a power of two costs no precision."""
+    m, k = x.shape
+    groups = jnp.pad(x.astype(jnp.float32), ((0, MAX_ROWS - m), (0, 0)))
+    groups = groups.reshape(MAX_ROWS, k // BLOCK, BLOCK)
+    mantissa, exponent = jnp.frexp(jnp.max(jnp.abs(groups), axis=-1))
+    exponent = jnp.clip(exponent - 9 + (mantissa > 0.875), -126, 127)  # a normal float32
+    scales = jnp.ldexp(jnp.ones(exponent.shape, jnp.float32), exponent)
+    values = (groups * jnp.ldexp(jnp.ones_like(scales), -exponent)[..., None]).astype(fp8.FP8)
+    return values.reshape(MAX_ROWS, k), scales.T
+
+
+def unsupported(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, config=None):
+    """Why the kernel cannot run this product here (None: it can): an argument it does not
+    take, or a device or jax that does not run Mosaic GPU kernels."""
+    try:
+        check(x, weight, scale_inv)
+        splits(weight.shape[1], weight.shape[0], config or W8A8MatmulConfig(), device_num_sms())
+    except ValueError as error:
+        return str(error).removeprefix("w8a8_matmul: ")
+    return mosaic_gpu.device_unsupported()
+
+
+def w8a8_matmul(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    config: W8A8MatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``quantized(x) @ dequantize(weight, scale_inv)^T`` on e4m3 wgmmas.
+
+    Args:
+      x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``; quantized per row and 128 columns
+        (``quantize_rows``).
+      weight: ``[N, K]`` float8_e4m3fn (HF's layout), N and K multiples of 128.
+      scale_inv: ``[N / 128, K / 128]`` float32, the weight's block scales (HF's
+        ``weight_scale_inv``): its value is ``weight x scale_inv`` blockwise.
+      config: the launch (None: the defaults).
+      interpret: Mosaic GPU's interpret mode (None: off a GPU).
+
+    Returns:
+      ``[M, N]`` bfloat16, accumulated in float32 (summed in float32 across K's slices).
+    """
+    check(x, weight, scale_inv)
+    config = config or W8A8MatmulConfig()
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    m, k = x.shape
+    n = weight.shape[0]
+    slices = splits(k, n, config, device_num_sms())
+    values, scales = quantize_rows(x)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, slices=slices, stages=min(config.stages, k // BLOCK // slices)),
+        out_type=jax.ShapeDtypeStruct((slices, MAX_ROWS, n), jnp.float32),
+        scratch_types=dict(out_smem=plgpu.SMEM((MAX_ROWS, BLOCK), jnp.float32)),
+        grid=(n // BLOCK, slices),
+        grid_names=("n", "split"),
+        num_threads=2,  # one warpgroup copies, one multiplies
+        thread_name="wg",
+        **mosaic_gpu.kernel_options(config, interpret, 2),
+    )
+    parts = jax.named_call(kernel, name="w8a8_matmul")(values, scales, weight, scale_inv)
+    return parts.sum(axis=0)[:m].astype(x.dtype)
+
+
+def _kernel(
+    x_gmem, x_scale_gmem, w_gmem, w_scale_gmem, out_gmem, out_smem, *, slices: int, stages: int
+):
+    """One program: the output's columns ``n`` from slice ``split`` of K, ``[MAX_ROWS,
+    BLOCK]`` float32."""
+    steps = x_gmem.shape[1] // BLOCK // slices
+    split = lax.axis_index("split")
+    column_block = lax.axis_index("n")
+    first_step = split * steps
+    acc_shape = (MAX_ROWS, BLOCK)
+
+    def weight_scale(i):
+        """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
+        return w_scale_gmem[column_block, first_step + jnp.minimum(i, steps - 1)]
+
+    def compute_context(run_pipeline):
+        total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+        total, _ = run_pipeline((total, weight_scale(0)))
+        out_smem[...] = total
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(column_block * BLOCK, BLOCK)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(indices, x_tile, w_tile, x_scale_tile, carry):
+        total, scale = carry
+        next_scale = weight_scale(indices[0] + 1)  # in flight while this step computes
+
+        def product(acc):
+            # [rows, BLOCK] += x_tile [rows, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
+            plgpu.wgmma(acc, x_tile, w_tile.transpose((1, 0)))
+            return acc[...]  # waits for the product: the slot goes back to the copies
+
+        acc = pl.run_scoped(product, plgpu.ACC(acc_shape))
+        row_scales = plgpu.load(x_scale_tile.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+        factor = lax.broadcast_in_dim(row_scales * scale, acc_shape, [0])
+        return total + acc * factor, next_scale
+
+    k_slice = pl.ds(first_step * BLOCK, steps * BLOCK)
+    plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec(
+                (MAX_ROWS, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
+            ),
+            plgpu.BlockSpec(
+                (BLOCK, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
+            ),
+            # 64 float32 scales a step: 256-byte slots keep every TMA destination 128-byte
+            # aligned
+            plgpu.BlockSpec((1, MAX_ROWS), lambda i: (i, 0)),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=stages,
+        compute_context=compute_context,
+    )(
+        x_gmem.at[:, k_slice],
+        w_gmem.at[pl.ds(column_block * BLOCK, BLOCK), k_slice],
+        x_scale_gmem.at[pl.ds(first_step, steps)],
+    )

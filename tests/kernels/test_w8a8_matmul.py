@@ -1,0 +1,176 @@
+"""The w8a8 matmul (``kernels/w8a8_matmul``) against float64 NumPy: the activations quantized
+in NumPy from DeepSeek's formula (a float32 scale ``amax / 448`` per row and 128 columns,
+values rounded to e4m3), both operands dequantized in float64, one product. The Mosaic GPU
+kernel runs interpreted on the CPU (jax >= 0.11) and compiled on a GPU.
+
+Tolerance: each output element within one bf16 spacing of the exact product of the quantized
+operands, plus the float32 accumulation's own bound (2^-20 x sum |x||w| over K): e4m3 values
+are exact in the wgmma, the scales multiply float32 products, and the sum is rounded once
+into bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mla_jax.kernels import w8a8_matmul as w8a8
+from mla_jax.kernels.w8a8_matmul import pallas_mosaic_gpu as mosaic
+
+BF16 = jnp.bfloat16
+FP8 = jnp.float8_e4m3fn
+Config = w8a8.W8A8MatmulConfig
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+mosaic_gpu_runs = pytest.mark.skipif(
+    jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"),
+    reason="Mosaic GPU interpret mode needs jax >= 0.11",
+)
+
+
+def _quantized_rows(x: np.ndarray) -> np.ndarray:
+    """x [M, K] quantized per row and 128 columns, as float64: each group over the smallest
+    power of two at or above its amax / 448 (float64 divides a bf16 amax by 448 without
+    crossing a power of two), rounded to e4m3 (ml_dtypes rounds to nearest even), scaled
+    back."""
+    m, k = x.shape
+    groups = x.astype(np.float64).reshape(m, k // 128, 128)
+    mantissa, exponent = np.frexp(np.abs(groups).max(axis=-1, keepdims=True) / 448.0)
+    scales = np.ldexp(1.0, exponent - (mantissa == 0.5))  # 2^exponent unless v is 2^(e-1)
+    values = (groups / scales).astype(ml_dtypes.float8_e4m3fn)
+    return (values.astype(np.float64) * scales).reshape(m, k)
+
+
+def _case(rng, m, k, n):
+    """bf16 x [m, k] (one 128-column group of zeros in row 0, one whose amax / 448 is a power
+    of two in row 1 where there is one), an e4m3 weight [n, k] spanning
+    its range, random float32 block scales, and the weight's exact float64 value."""
+    x = rng.standard_normal((m, k))
+    x[0, :128] = 0.0
+    if m > 1:
+        x[1, 128:256] = np.clip(x[1, 128:256], -3.0, 3.0)
+        x[1, 130] = 3.5  # 448 x 2^-7: its own scale's top value, 448
+    x = jnp.asarray(x, BF16)
+    weight = jnp.asarray(np.clip(rng.standard_normal((n, k)) * 64, -448, 448), FP8)
+    scale_inv = rng.uniform(0.5, 2.0, (n // 128, k // 128)).astype(np.float32) / 64 / k**0.5
+    exact = np.asarray(weight, np.float64) * np.kron(scale_inv, np.ones((128, 128)))
+    return x, weight, jnp.asarray(scale_inv), exact
+
+
+def _check(got, x, exact_weight):
+    """``got [M, N]`` against the quantized x times the exact weight, in float64."""
+    lhs = _quantized_rows(np.asarray(x, np.float32))
+    want = lhs @ exact_weight.T
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape
+    spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
+    bound = spacing + 2.0**-20 * (np.abs(lhs) @ np.abs(exact_weight).T)
+    excess = np.abs(got - want) - bound
+    assert np.isfinite(got).all() and excess.max() <= 0, f"worst excess {excess.max():.3g}"
+
+
+def test_quantize_rows_matches_numpy(rng):
+    """Values and scales as the formula gives them (a group at a power-of-two boundary
+    included), rows past M zero."""
+    x, _, _, _ = _case(rng, 5, 256, 128)
+    values, scales = w8a8.quantize_rows(x)
+    assert values.shape == (w8a8.MAX_ROWS, 256) and scales.shape == (2, w8a8.MAX_ROWS)
+    dequantized = np.asarray(values, np.float64) * np.repeat(np.asarray(scales).T, 128, axis=1)
+    np.testing.assert_array_equal(dequantized[:5], _quantized_rows(np.asarray(x, np.float32)))
+    assert not dequantized[5:].any() and float(scales[1, 1]) == 2.0**-7
+
+
+@mosaic_gpu_runs
+@pytest.mark.parametrize(
+    "m,k,n,config",
+    [
+        (1, 256, 128, None),  # the launch's own slices, one row
+        (5, 384, 256, Config(splits=3)),  # three slices of a step each, float32 parts
+        (64, 512, 128, Config(stages=2, splits=2)),  # a full tile, two stages of two steps
+    ],
+)
+def test_matches_float64(rng, m, k, n, config):
+    x, weight, scale_inv, exact = _case(rng, m, k, n)
+    _check(w8a8.w8a8_matmul(x, weight, scale_inv, config=config), x, exact)
+
+
+def test_reference_matches_float64(rng):
+    x, weight, scale_inv, exact = _case(rng, 7, 384, 256)
+    _check(w8a8.reference.w8a8_matmul(x, weight, scale_inv), x, exact)
+
+
+def test_quantization_error_against_bf16_activations(rng):
+    """What w8a8 trades: against the bf16 activations' product the e4m3 rounding of x costs
+    about 2.5% (relative L2) on normal inputs; measured here so that a change in the
+    quantization shows."""
+    x, weight, scale_inv, exact = _case(rng, 16, 1024, 256)
+    got = np.asarray(w8a8.reference.w8a8_matmul(x, weight, scale_inv), np.float64)
+    want = np.asarray(x, np.float64) @ exact.T
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 0.02 < error < 0.033, error
+
+
+@pytest.mark.parametrize(
+    "k,n,num_sms,config,want",
+    [
+        (16384, 7168, 132, Config(), 4),  # 56 column blocks: 224 programs
+        (7168, 18432, 132, Config(), 2),  # 144 column blocks: 288 programs
+        (7168, 1536, 132, Config(), 8),  # 12 column blocks: the most slices of 56 steps
+        (384, 128, 132, Config(), 1),  # 3 steps: of SPLITS only 1 divides them
+        (512, 128, 132, Config(splits=2), 2),
+    ],
+)
+def test_splits(k, n, num_sms, config, want):
+    assert mosaic.splits(k, n, config, num_sms) == want
+
+
+@pytest.mark.parametrize(
+    "x,weight,scales,config,message",
+    [
+        ((65, 256), (128, 256), (1, 2), None, "1 to 64 rows of x, got 65"),
+        ((4, 256), (128, 384), (1, 3), None, r"x's K \(256\) is not the weight's \(384\)"),
+        ((4, 200), (128, 200), (1, 2), None, r"weight \[128, 200\] is not whole 128 x 128"),
+        ((4, 256), (128, 256), (2, 2), None, r"scale_inv \[2, 2\] is not the weight's block"),
+        ((4, 256), (128, 256), (1, 2), Config(splits=3), "3 slices of K do not divide its 2"),
+    ],
+)
+def test_refuses(x, weight, scales, config, message):
+    args = (
+        jnp.zeros(x, BF16),
+        jnp.zeros(weight, FP8),
+        jnp.ones(scales, jnp.float32),
+    )
+    with pytest.raises(ValueError, match=message):
+        w8a8.w8a8_matmul(*args, config=config)
+    with pytest.raises(ValueError, match="bfloat16 x, a float8_e4m3fn weight"):
+        w8a8.w8a8_matmul(args[0].astype(jnp.float32), *args[1:])
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
+    reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",
+)
+def test_lowers_for_sm90():
+    """The sm90 lowering (e4m3 wgmmas, TMA shapes, shared memory) of V3's o_proj at 64 rows,
+    on any machine; only ptxas and the run need the GPU."""
+    f = jax.jit(functools.partial(w8a8.w8a8_matmul, interpret=False))
+    lowered = f.trace(
+        jax.ShapeDtypeStruct((64, 16384), BF16),
+        jax.ShapeDtypeStruct((7168, 16384), FP8),
+        jax.ShapeDtypeStruct((56, 128), jnp.float32),
+    ).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(16384, 7168), (7168, 1536), (7168, 18432)])
+def test_deepseek_shapes_compiled(rng, m, k, n):
+    """V3's projections at decode's row counts (GPU only: too large to interpret)."""
+    x, weight, scale_inv, exact = _case(rng, m, k, n)
+    _check(jax.jit(w8a8.w8a8_matmul)(x, weight, scale_inv), x, exact)
