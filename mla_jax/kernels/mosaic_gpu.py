@@ -48,6 +48,17 @@ def device_unsupported() -> str | None:
     return None
 
 
+def unsupported(check, prefix: str) -> str | None:
+    """Why a Mosaic GPU kernel cannot run a call here (None: it can): the message of the
+    ValueError that ``check()`` raises for an argument the kernel does not take (without
+    the kernel's ``prefix``), else ``device_unsupported()``."""
+    try:
+        check()
+    except ValueError as error:
+        return str(error).removeprefix(prefix)
+    return device_unsupported()
+
+
 def cpu_pool_threads() -> int:
     """The threads of XLA's CPU pool, sized as XLA sizes it when jax starts: ``PJRT_NPROC``,
     else ``NPROC``, else the cores this process may run on."""

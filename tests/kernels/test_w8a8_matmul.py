@@ -140,15 +140,16 @@ def test_splits(k, n, num_sms, config, want):
     ],
 )
 def test_refuses(x, weight, scales, config, message):
-    args = (
-        jnp.zeros(x, BF16),
-        jnp.zeros(weight, FP8),
-        jnp.ones(scales, jnp.float32),
-    )
+    args = (jnp.zeros(x, BF16), jnp.zeros(weight, FP8), jnp.ones(scales, jnp.float32))
     with pytest.raises(ValueError, match=message):
         w8a8.w8a8_matmul(*args, config=config)
-    with pytest.raises(ValueError, match="bfloat16 x, a float8_e4m3fn weight"):
-        w8a8.w8a8_matmul(args[0].astype(jnp.float32), *args[1:])
+
+
+def test_refuses_dtypes():
+    x, weight, scales = jnp.zeros((4, 256), BF16), jnp.zeros((128, 256), FP8), jnp.ones((1, 2))
+    for args in ((x.astype(jnp.float32), weight, scales), (x, weight.astype(BF16), scales)):
+        with pytest.raises(ValueError, match="bfloat16 x, a float8_e4m3fn weight and float32"):
+            w8a8.w8a8_matmul(*args)
 
 
 @pytest.mark.skipif(

@@ -176,11 +176,10 @@ def unsupported(
     weight that does not tile, or a device or jax that does not run Mosaic GPU kernels."""
     if lhs.dtype != jnp.bfloat16:
         return f"lhs is {lhs.dtype}, not bfloat16"
-    try:
-        _check_launch(*rhs.shape[-2:], config or MosaicGroupedMatmulConfig(), blocks)
-    except ValueError as error:
-        return str(error).removeprefix("grouped_matmul (Mosaic GPU): ")
-    return mosaic_gpu.device_unsupported()
+    return mosaic_gpu.unsupported(
+        lambda: _check_launch(*rhs.shape[-2:], config or MosaicGroupedMatmulConfig(), blocks),
+        "grouped_matmul (Mosaic GPU): ",
+    )
 
 
 def grouped_matmul(

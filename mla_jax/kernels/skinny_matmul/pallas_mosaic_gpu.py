@@ -280,11 +280,12 @@ def unsupported(
     that does not tile, or a device or jax that does not run Mosaic GPU kernels."""
     if x.dtype != jnp.bfloat16:
         return f"x is {x.dtype}, not bfloat16"
-    try:
-        launch(*x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), device_num_sms(), blocks)
-    except ValueError as error:
-        return str(error).removeprefix("skinny_matmul: ")
-    return mosaic_gpu.device_unsupported()
+    return mosaic_gpu.unsupported(
+        lambda: launch(
+            *x.shape, weight.shape[-1], config or SkinnyMatmulConfig(), device_num_sms(), blocks
+        ),
+        "skinny_matmul: ",
+    )
 
 
 def skinny_matmul(

@@ -126,12 +126,12 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def unsupported(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, config=None):
     """Why the kernel cannot run this product here (None: it can): an argument it does not
     take, or a device or jax that does not run Mosaic GPU kernels."""
-    try:
+
+    def arguments():
         check(x, weight, scale_inv)
         splits(weight.shape[1], weight.shape[0], config or W8A8MatmulConfig(), device_num_sms())
-    except ValueError as error:
-        return str(error).removeprefix("w8a8_matmul: ")
-    return mosaic_gpu.device_unsupported()
+
+    return mosaic_gpu.unsupported(arguments, "w8a8_matmul: ")
 
 
 def w8a8_matmul(
