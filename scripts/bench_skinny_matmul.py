@@ -242,13 +242,15 @@ def _fp8_cells(case: dict, bf16_us: float, copy_us: float) -> list:
 
 
 def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
-    """The FP8 table: bf16 XLA, the Triton FP8 kernel and this kernel over FP8, per V3
-    projection and row count."""
+    """The FP8 table: bf16 XLA, the Triton FP8 kernel, this kernel over FP8 and the w8a8
+    matmul, per V3 projection and row count."""
     rows = []
     for name, (k, n) in sizes.fp8_projections.items():
         stacks = _fp8_stacks(k, n, sizes.rotation_bytes)
         bf16_stacks = [fp8_blocks.dequantize(w, s, FP8_BLOCKS, jnp.bfloat16) for w, s in stacks]
         dense = fp8_blocks.dequantize(stacks[0][0][1], stacks[0][1][1], FP8_BLOCKS)
+        # w8a8's weight: layer 1 in HF's [N, K] layout, with its [N / 128, K / 128] scales
+        hf_layout = [(w[1].T, scale[1].T) for w, scale in stacks]
         for m in sizes.rows:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             want = jnp.dot(x.astype(jnp.float32), dense, precision="highest")
@@ -282,7 +284,6 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
                 cells.append(f"{plan.block_n} x {plan.splits}")
             else:
                 cells.append("")
-            hf_layout = [(w[1].T, scale[1].T) for w, scale in stacks]
             reason = w8a8.unsupported(x, *hf_layout[0])
             case = (
                 {"unsupported": reason}
