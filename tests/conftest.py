@@ -80,6 +80,14 @@ triton_lowering_without_gpu = pytest.mark.skipif(
 )
 
 
+# The Mosaic GPU kernels compiled on a GPU, or interpreted elsewhere (jax 0.11 added the
+# interpret mode).
+mosaic_gpu_runs = pytest.mark.skipif(
+    jax.default_backend() != "gpu" and not hasattr(kernels.mosaic_gpu.plgpu, "InterpretGPUParams"),
+    reason="Mosaic GPU interpret mode needs jax >= 0.11",
+)
+
+
 def run_on_fake_devices(script: str, *args, devices: int) -> subprocess.CompletedProcess:
     """Runs ``script`` (a path under tests/) with ``args`` in a fresh Python process on
     ``devices`` fake CPU devices (the device count is fixed when JAX is imported), with the

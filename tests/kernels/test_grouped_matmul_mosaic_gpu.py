@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mosaic_gpu_runs
 
 from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
@@ -30,11 +31,6 @@ Blocks = fp8_blocks.Fp8Blocks
 Config = mosaic.MosaicGroupedMatmulConfig
 SMALL = Config(block_m=64, block_n=64, block_k=64)
 
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-mosaic_gpu_runs = pytest.mark.skipif(
-    jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"),
-    reason="Mosaic GPU interpret mode needs jax >= 0.11",
-)
 jax_0_11 = pytest.mark.skipif(
     tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
     reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import mosaic_gpu_runs
 
 from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import skinny_matmul as skinny
@@ -30,12 +31,6 @@ BF16 = jnp.bfloat16
 FP8 = jnp.float8_e4m3fn
 Blocks = fp8_blocks.Fp8Blocks
 Config = skinny.SkinnyMatmulConfig
-
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-mosaic_gpu_runs = pytest.mark.skipif(
-    jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"),
-    reason="Mosaic GPU interpret mode needs jax >= 0.11",
-)
 
 
 def _case(rng, m, k, n, layers=None):

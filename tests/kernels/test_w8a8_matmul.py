@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import mosaic_gpu_runs
 
 from mla_jax.kernels import w8a8_matmul as w8a8
 from mla_jax.kernels.w8a8_matmul import pallas_mosaic_gpu as mosaic
@@ -25,12 +26,6 @@ from mla_jax.kernels.w8a8_matmul import pallas_mosaic_gpu as mosaic
 BF16 = jnp.bfloat16
 FP8 = jnp.float8_e4m3fn
 Config = w8a8.W8A8MatmulConfig
-
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-mosaic_gpu_runs = pytest.mark.skipif(
-    jax.default_backend() != "gpu" and not hasattr(plgpu, "InterpretGPUParams"),
-    reason="Mosaic GPU interpret mode needs jax >= 0.11",
-)
 
 
 def _quantized_rows(x: np.ndarray) -> np.ndarray:
