@@ -31,11 +31,11 @@ def float16_rows(lhs: jax.Array) -> tuple[jax.Array, jax.Array]:
     # Both factors stay normal float32 numbers: a row whose largest value is under 2^-111
     # is scaled by 2^126 only (into float16's range still, with fewer of its small values).
     shift = jnp.clip(15 - exponent, -126, 126)
-    scaled = (values * _power_of_two(shift)[:, None]).astype(jnp.float16)
-    return scaled, _power_of_two(-shift)
+    scaled = (values * power_of_two(shift)[:, None]).astype(jnp.float16)
+    return scaled, power_of_two(-shift)
 
 
-def _power_of_two(exponent: jax.Array) -> jax.Array:
+def power_of_two(exponent: jax.Array) -> jax.Array:
     """``2.0 ** exponent`` float32 for int32 exponents in [-126, 126], built from its bits
     (``jnp.ldexp`` handles any exponent and subnormals, in many more operations)."""
     return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)

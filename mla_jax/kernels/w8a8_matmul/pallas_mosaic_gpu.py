@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import fp8, mosaic_gpu, online_softmax
+from .. import fp8, matmul_steps, mosaic_gpu, online_softmax
 from ..decode import device_num_sms
 
 MAX_ROWS = 64  # x's rows on the wgmma's M side, one 64-row tile
@@ -117,10 +117,10 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     groups = jnp.pad(x.astype(jnp.float32), ((0, MAX_ROWS - m), (0, 0)))
     groups = groups.reshape(MAX_ROWS, k // BLOCK, BLOCK)
     mantissa, exponent = jnp.frexp(jnp.max(jnp.abs(groups), axis=-1))
-    exponent = jnp.clip(exponent - 9 + (mantissa > 0.875), -126, 127)  # a normal float32
-    scales = jnp.ldexp(jnp.ones(exponent.shape, jnp.float32), exponent)
-    values = (groups * jnp.ldexp(jnp.ones_like(scales), -exponent)[..., None]).astype(fp8.FP8)
-    return values.reshape(MAX_ROWS, k), scales.T
+    # Both powers of two stay normal float32 numbers (a bf16 amax's exponent is at most 128).
+    exponent = jnp.clip(exponent - 9 + (mantissa > 0.875), -126, 126)
+    values = (groups * matmul_steps.power_of_two(-exponent)[..., None]).astype(fp8.FP8)
+    return values.reshape(MAX_ROWS, k), matmul_steps.power_of_two(exponent).T
 
 
 def unsupported(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, config=None):

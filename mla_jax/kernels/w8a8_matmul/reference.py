@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import fp8_blocks
 from .pallas_mosaic_gpu import BLOCK, check, quantize_rows
 
 
@@ -26,6 +27,6 @@ def w8a8_matmul(
     check(x, weight, scale_inv)
     values, scales = quantize_rows(x)
     lhs = values.astype(jnp.float32) * jnp.repeat(scales.T, BLOCK, axis=1)
-    rhs = weight.astype(jnp.float32) * jnp.repeat(jnp.repeat(scale_inv, BLOCK, 0), BLOCK, 1)
-    out = jnp.dot(lhs, rhs.T, precision=jax.lax.Precision.HIGHEST)
+    rhs = fp8_blocks.dequantize(weight.T, scale_inv.T, fp8_blocks.Fp8Blocks(BLOCK, BLOCK))
+    out = jnp.dot(lhs, rhs, precision=jax.lax.Precision.HIGHEST)
     return out[: x.shape[0]].astype(x.dtype)
