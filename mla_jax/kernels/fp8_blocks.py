@@ -1,15 +1,18 @@
-"""FP8 weights with block scales (DeepSeek's ``weight_scale_inv``) in the kernels' ``[K, N]``
-layout, shared by ``fp8_matmul``, ``grouped_matmul`` and their references.
+"""FP8 weights with block scales (DeepSeek's ``weight_scale_inv``), shared by ``fp8_matmul``,
+``grouped_matmul``, ``w8a8_matmul`` and their references.
 
-A weight ``[..., K, N]`` (HF's ``[N, K]`` transposed) is stored as float8_e4m3fn with one
-float32 scale per ``block_in`` rows x ``block_out`` columns; its value is the fp8 value times
-its block's scale. The edge blocks may be partial (the grid is ``cdiv``-sized). A fused weight
-of ``parts`` side-by-side matrices (the routed experts' ``gate_up_proj``: gate then up) holds
-each part's own grid, so the scale grid is ``[..., cdiv(K, block_in), parts x cdiv(N / parts,
-block_out)]``. The Pallas kernels load a weight tile as fp8, gather its scales (one scale row
-per K step when ``block_in`` is a multiple of the step, else one per tile row) and dequantize
-the tile in registers into the activations' dtype before the MMA: the weight crosses HBM once,
-in fp8.
+A weight is stored as float8_e4m3fn with one float32 scale per ``block_out`` output columns x
+``block_in`` rows of K; its value is the fp8 value times its block's scale. The edge blocks may
+be partial (the grid is ``cdiv``-sized). Two layouts: the routed experts' ``[..., K, N]`` (HF's
+``[N, K]`` transposed; ``scale_shape``, ``check``, ``dequantize``) and the projections' ``[...,
+N, K]``, HF's own (``scale_shape_nk``, ``check_nk``, ``dequantize_nk``), which Hopper's FP8
+tensor cores read K-major. A fused weight of ``parts`` matrices side by side on N (the routed
+experts' ``gate_up_proj``: gate then up; ``fused_qkv_a_proj``) holds each part's own grid, so
+the scale grid is ``[..., cdiv(K, block_in), parts x cdiv(N / parts, block_out)]`` (``[K, N]``)
+or its transpose (``[N, K]``). The Pallas kernels load a weight tile as fp8, gather its scales
+(one scale row per K step when ``block_in`` is a multiple of the step, else one per tile row)
+and dequantize the tile in registers into the activations' dtype before the MMA: the weight
+crosses HBM once, in fp8.
 """
 
 from __future__ import annotations
@@ -64,6 +67,16 @@ class Fp8Blocks:
                 f"with {self} (expected {list(want)})"
             )
 
+    def scale_shape_nk(self, width: int, depth: int) -> tuple[int, int]:
+        """``[parts x cdiv(N / parts, block_out), cdiv(K, block_in)]`` for an ``[N, K]`` weight
+        (HF's layout: its ``weight_scale_inv``'s grid)."""
+        return self.scale_shape(depth, width)[::-1]
+
+    def check_nk(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
+        """``check`` for a weight ``[..., N, K]`` (HF's layout) and its ``scale_shape_nk``
+        grid."""
+        self.check(jnp.swapaxes(weight, -1, -2), jnp.swapaxes(scale_inv, -1, -2), what)
+
 
 def scale_columns(columns: jax.Array, width: int, blocks: Fp8Blocks) -> jax.Array:
     """The scale-grid column of each weight column in ``columns`` (int32) of an ``N =
@@ -84,6 +97,19 @@ def dequantize(
     depth, width = weight.shape[-2:]
     rows = jnp.arange(depth) // blocks.block_in
     cols = scale_columns(jnp.arange(width), width, blocks)
+    scales = scale_inv[..., rows, :][..., cols]
+    return (weight.astype(jnp.float32) * scales).astype(dtype)
+
+
+def dequantize_nk(
+    weight: jax.Array, scale_inv: jax.Array, blocks: Fp8Blocks, dtype=jnp.float32
+) -> jax.Array:
+    """``weight [..., N, K]`` (HF's layout) float8_e4m3fn times its blocks' ``scale_inv [...,
+    parts x cdiv(N / parts, block_out), cdiv(K, block_in)]`` -> ``[..., N, K]`` in ``dtype``
+    (computed in float32)."""
+    width, depth = weight.shape[-2:]
+    rows = scale_columns(jnp.arange(width), width, blocks)
+    cols = jnp.arange(depth) // blocks.block_in
     scales = scale_inv[..., rows, :][..., cols]
     return (weight.astype(jnp.float32) * scales).astype(dtype)
 
