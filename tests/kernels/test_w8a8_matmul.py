@@ -94,6 +94,24 @@ def test_matches_float64(rng, m, k, n, config):
     _check(w8a8.w8a8_matmul(x, weight, scale_inv, config=config), x, exact)
 
 
+@mosaic_gpu_runs
+@pytest.mark.parametrize("traced", [False, True])
+def test_stacked_weight_at_layer(rng, traced):
+    """A stack ``[L, N, K]`` read at ``layer`` (a Python int, or traced as a scan's index):
+    the other layers hold NaN, which any read of them would put into the product."""
+    x, weight, scale_inv, exact = _case(rng, 3, 256, 256)
+    poison = jnp.full_like(weight, jnp.nan)
+    stack = jnp.stack([poison, weight, poison])
+    scales = jnp.stack([jnp.full_like(scale_inv, jnp.nan), scale_inv, scale_inv])
+    if traced:
+        run = jax.jit(lambda x, w, s, i: w8a8.w8a8_matmul(x, w, s, layer=i))
+        got = run(x, stack, scales, jnp.int32(1))
+    else:
+        got = w8a8.w8a8_matmul(x, stack, scales, layer=1)
+    _check(got, x, exact)
+    _check(w8a8.reference.w8a8_matmul(x, stack, scales, layer=1), x, exact)
+
+
 def test_reference_matches_float64(rng):
     x, weight, scale_inv, exact = _case(rng, 7, 384, 256)
     _check(w8a8.reference.w8a8_matmul(x, weight, scale_inv), x, exact)
@@ -138,6 +156,17 @@ def test_refuses(x, weight, scales, config, message):
     args = (jnp.zeros(x, BF16), jnp.zeros(weight, FP8), jnp.ones(scales, jnp.float32))
     with pytest.raises(ValueError, match=message):
         w8a8.w8a8_matmul(*args, config=config)
+
+
+def test_refuses_stacks_without_layer_and_layers_out_of_range():
+    x, scales = jnp.zeros((4, 256), BF16), jnp.ones((2, 1, 2), jnp.float32)
+    stack = jnp.zeros((2, 128, 256), FP8)
+    with pytest.raises(ValueError, match=r"weight \[N, K\], got x"):
+        w8a8.w8a8_matmul(x, stack, scales)
+    with pytest.raises(ValueError, match="layer 2 is not in"):
+        w8a8.w8a8_matmul(x, stack, scales, layer=2)
+    with pytest.raises(ValueError, match=r"weight \[L, N, K\] \(a stack, with layer\)"):
+        w8a8.w8a8_matmul(x, stack[0], scales[0], layer=0)
 
 
 def test_refuses_dtypes():

@@ -95,8 +95,8 @@ def check(
     """The kernel's (and its reference's) input checks: ValueError in one line naming the
     argument."""
     want_ndim = 2 if layer is None else 3
-    if x.ndim != 2 or weight.ndim != want_ndim or x.shape[1] != weight.shape[-2]:
-        form = "[K, N]" if layer is None else "[L, K, N] (a stack, with layer)"
+    if x.ndim != 2 or weight.ndim != want_ndim or x.shape[1] != weight.shape[-1]:
+        form = "[N, K]" if layer is None else "[L, N, K] (a stack, with layer)"
         raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} {form}")
     if layer is not None:
         matmul_steps.check_layer(layer, weight.shape[0])
@@ -104,7 +104,7 @@ def check(
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     if not isinstance(blocks, fp8_blocks.Fp8Blocks):
         raise ValueError(f"blocks must be an Fp8Blocks, got {blocks!r}")
-    blocks.check(weight, scale_inv, "weight")
+    blocks.check_nk(weight, scale_inv, "weight")
 
 
 def _fp8_matmul_kernel(

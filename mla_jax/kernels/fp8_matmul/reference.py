@@ -36,9 +36,9 @@ def fp8_matmul(
     del config, interpret
     check(x, weight, scale_inv, blocks, layer)
     weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
-    dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
+    dense = fp8_blocks.dequantize_nk(weight, scale_inv, blocks, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    out = jnp.dot(x, dense, precision=precision, preferred_element_type=jnp.float32)
+    out = jnp.dot(x, dense.T, precision=precision, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
 
@@ -58,6 +58,6 @@ def dequantized_dot(
     it is freed after the dot."""
     check(x, weight, scale_inv, blocks, layer)
     weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
-    dense = fp8_blocks.dequantize(weight, scale_inv, blocks, x.dtype)
+    dense = fp8_blocks.dequantize_nk(weight, scale_inv, blocks, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return jnp.dot(x, dense, precision=precision)
+    return jnp.dot(x, dense.T, precision=precision)
