@@ -145,11 +145,10 @@ def _hopper_grouped_matmul(
 
 
 def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-    """Decode's rows over a large FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3
-    wgmmas, x quantized per token and 128 columns) where the kernel takes the weight, the
-    Triton FP8 kernel (``fp8_matmul.fastest``) elsewhere; either choice for such a product
-    said once."""
-    if w8a8_matmul.pays_off(x, weight):
+    """Decode's rows over an FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3 wgmmas,
+    x quantized per token and 128 columns) where the kernel takes the weight, the Triton FP8
+    kernel (``fp8_matmul.fastest``) elsewhere; either choice for such a product said once."""
+    if w8a8_matmul.pays_off(x):
         shape = list(weight.shape[-2:])
         reason = (
             "its weight blocks are not 128 x 128"
@@ -167,8 +166,8 @@ def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
     return fp8_matmul.fastest(x, weight, scale_inv, blocks=blocks, layer=layer)
 
 
-# Hopper (sm90): decode, prefill, FP8 experts at prefill and large FP8 projections at decode
-# on Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
+# Hopper (sm90): decode, prefill, FP8 experts at prefill and FP8 projections at decode on
+# Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
 # matmuls are Triton's.
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,

@@ -130,14 +130,13 @@ def test_quantization_error_against_bf16_activations(rng):
 
 @mosaic_gpu_runs
 def test_hopper_set_runs_large_projections_at_decode_on_it(rng, monkeypatch, caplog):
-    """The Hopper set's FP8 matmul (its size threshold lowered to 256 x 256 here): a
-    stack's traced layer at decode's rows on w8a8 (the other layer NaN); a smaller weight,
-    more rows than the kernel takes, and blocks other than 128 x 128 on the Triton kernel
-    (weight-only: the product of x as it is), each said once."""
+    """The Hopper set's FP8 matmul: a stack's traced layer at decode's rows on w8a8 (the
+    other layer NaN); more rows than the kernel takes, a weight of partial blocks, and
+    blocks other than 128 x 128 on the Triton kernel (weight-only: the product of x as it
+    is), the choices said once."""
     from mla_jax import kernels
     from mla_jax.kernels import fp8_blocks
 
-    monkeypatch.setattr(w8a8, "MIN_WEIGHT", 256 * 256)
     calls = []
     kernel = w8a8.w8a8_matmul
     monkeypatch.setattr(
@@ -151,12 +150,13 @@ def test_hopper_set_runs_large_projections_at_decode_on_it(rng, monkeypatch, cap
     whole = fp8_blocks.Fp8Blocks(128, 128)
     for m, n, blocks, on_w8a8 in (
         (16, 256, whole, True),
-        (16, 128, whole, False),
         (w8a8.MAX_ROWS + 8, 256, whole, False),
+        (16, 192, whole, False),
         (16, 256, fp8_blocks.Fp8Blocks(64, 128), False),
     ):
         calls.clear()
-        x, weight, scale_inv, exact = _case(rng, m, 256, n)
+        x, weight, scale_inv, exact = _case(rng, m, 256, -(-n // 128) * 128)
+        weight, exact = weight[:n], exact[:n]  # 192: a partial block of 64 rows
         if blocks != whole:  # the same weight, its scales repeated per 64 rows
             scale_inv = jnp.repeat(scale_inv, 2, axis=0)
         stack = jnp.stack([jnp.full_like(weight, jnp.nan), weight])
@@ -170,6 +170,7 @@ def test_hopper_set_runs_large_projections_at_decode_on_it(rng, monkeypatch, cap
             assert np.abs(np.asarray(got, np.float64) - want).max() <= 0.02 * np.abs(want).max()
         assert calls == ([1] if on_w8a8 else []), (m, n, blocks)
     assert "fp8_matmul: w8a8 (x quantized to e4m3" in caplog.text
+    assert "[192, 256] not on w8a8 (weight [192, 256] is not whole 128 x 128" in caplog.text
     assert "[256, 256] not on w8a8 (its weight blocks are not 128 x 128)" in caplog.text
 
 

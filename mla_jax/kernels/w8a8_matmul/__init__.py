@@ -23,7 +23,6 @@ __all__ = [
     "reference",
     "BLOCK",
     "MAX_ROWS",
-    "MIN_WEIGHT",
     "W8A8MatmulConfig",
     "pays_off",
     "quantize_rows",
@@ -31,18 +30,11 @@ __all__ = [
     "w8a8_matmul",
 ]
 
-# From this many weight elements up, at decode's rows, w8a8 beats the Triton FP8 kernel: V3's
-# o_proj [7168, 16384] took 58.3 against 82.0 us and mlp.gate_proj [18432, 7168] 67.3
-# against 94.9 us (64 rows; the bf16 weight: 79.9 and 91.2), while q_a_proj [1536, 7168] took
-# 13.1 against 12.3 and the shared experts' gate_proj [2048, 7168] 14.1 against 13.4, where
-# x's quantization and the sum of K's slices (two more launches) cost what the weight's
-# bytes save (H100, 2026-12-06, a trial of this kernel's design; ``bench_skinny_matmul.py``'s
-# FP8 table times the kernel itself). Between the two sizes nothing was measured.
-MIN_WEIGHT = 1 << 26
-
-
-def pays_off(x: jnp.ndarray, weight: jnp.ndarray) -> bool:
-    """Whether the Hopper set takes ``x [M, K] @ weight[..., N, K]^T`` to w8a8: decode's rows
-    (up to ``MAX_ROWS``) of a bfloat16 x over a weight of ``MIN_WEIGHT`` elements or more."""
-    n, k = weight.shape[-2:]
-    return x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16 and n * k >= MIN_WEIGHT
+def pays_off(x: jnp.ndarray) -> bool:
+    """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
+    kernel takes the weight): decode's rows (up to ``MAX_ROWS``) of bfloat16. On V3's
+    projections at 1, 16 and 64 rows it beat the Triton FP8 kernel in 17 of 18 cases (0.72-
+    0.98x its time; the shared experts' gate_proj at 16 rows: 12.2 against 12.0 us) and the
+    bf16 weight on the wide ones (o_proj, the dense MLP: 0.70-0.85x; H200, 2026-12-06,
+    ``benchmarks/skinny_matmul_fp8.json``)."""
+    return x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16
