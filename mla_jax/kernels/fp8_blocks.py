@@ -52,20 +52,8 @@ class Fp8Blocks:
     def check(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
         """ValueError (one line, naming ``what``) unless ``weight [..., K, N]`` is
         float8_e4m3fn and ``scale_inv`` float32 of its grid, N splitting into the parts."""
-        if weight.dtype != FP8 or scale_inv.dtype != jnp.float32:
-            raise ValueError(
-                f"{what} must be float8_e4m3fn with float32 scales, got {weight.dtype} and "
-                f"{scale_inv.dtype}"
-            )
         *lead, depth, width = weight.shape
-        if width % self.parts:
-            raise ValueError(f"{what} {list(weight.shape)}: N is not {self.parts} equal parts")
-        want = (*lead, *self.scale_shape(depth, width))
-        if tuple(scale_inv.shape) != want:
-            raise ValueError(
-                f"{what} scale_inv {list(scale_inv.shape)} does not fit {list(weight.shape)} "
-                f"with {self} (expected {list(want)})"
-            )
+        self._check(weight, scale_inv, what, width, (*lead, *self.scale_shape(depth, width)))
 
     def scale_shape_nk(self, width: int, depth: int) -> tuple[int, int]:
         """``[parts x cdiv(N / parts, block_out), cdiv(K, block_in)]`` for an ``[N, K]`` weight
@@ -75,7 +63,24 @@ class Fp8Blocks:
     def check_nk(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
         """``check`` for a weight ``[..., N, K]`` (HF's layout) and its ``scale_shape_nk``
         grid."""
-        self.check(jnp.swapaxes(weight, -1, -2), jnp.swapaxes(scale_inv, -1, -2), what)
+        *lead, width, depth = weight.shape
+        self._check(weight, scale_inv, what, width, (*lead, *self.scale_shape_nk(width, depth)))
+
+    def _check(self, weight, scale_inv, what: str, width: int, want: tuple) -> None:
+        """``check``'s tests of a weight of ``width`` columns (N) whose scales must be
+        ``want``, in either layout (the shapes said as given)."""
+        if weight.dtype != FP8 or scale_inv.dtype != jnp.float32:
+            raise ValueError(
+                f"{what} must be float8_e4m3fn with float32 scales, got {weight.dtype} and "
+                f"{scale_inv.dtype}"
+            )
+        if width % self.parts:
+            raise ValueError(f"{what} {list(weight.shape)}: N is not {self.parts} equal parts")
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(
+                f"{what} scale_inv {list(scale_inv.shape)} does not fit {list(weight.shape)} "
+                f"with {self} (expected {list(want)})"
+            )
 
 
 def scale_columns(columns: jax.Array, width: int, blocks: Fp8Blocks) -> jax.Array:
