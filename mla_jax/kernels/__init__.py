@@ -139,7 +139,7 @@ def _hopper_grouped_matmul(
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,
     grouped_matmul=_hopper_grouped_matmul,
-    fp8_matmul=on_whole_weights(fp8_matmul.decode_on_mosaic_gpu),
+    fp8_matmul=on_whole_weights(fp8_matmul.fastest),
     flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
     backend="mosaic_gpu",
 )
