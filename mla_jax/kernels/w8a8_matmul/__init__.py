@@ -30,6 +30,7 @@ __all__ = [
     "w8a8_matmul",
 ]
 
+
 def pays_off(x: jnp.ndarray) -> bool:
     """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
     kernel takes the weight): decode's rows (up to ``MAX_ROWS``) of bfloat16. On V3's
