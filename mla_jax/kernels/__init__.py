@@ -1,4 +1,5 @@
-"""MLA attention kernels, the MoE grouped matmul and the FP8 weight-only matmul: Pallas
+"""MLA attention kernels, the MoE grouped matmul and the FP8 matmuls (weight-only, and w8a8
+on Hopper): Pallas
 (Triton lowering on GPU, interpret mode elsewhere) and their pure-jnp references, behind one
 selector, plus the host-side plan the Pallas kernels' schedules are built with.
 

@@ -8,6 +8,7 @@ kernel, compiled."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,6 +70,11 @@ def test_w8a8_logit_error_against_the_dequantized_model(rng, where):
     over four seeds. The e4m3 rounding of each projection's input is all that differs: 2.5%
     a product (``test_w8a8_matmul.py``), over ten products in two layers of random
     weights."""
+    if where == "reference" and jax.default_backend() == "gpu":
+        # Jitted whole on an H100 the reference's logits equaled the dequantized model's
+        # (error 0.0, 2026-12-06): XLA's GPU compiler may drop x's round trip through e4m3
+        # (its excess-precision rule; inferred, not checked). The kernel's x is e4m3 itself.
+        pytest.skip("the reference's rounding of x is measured on the CPU")
     if where == "kernel" and w8a8_matmul.unsupported(
         jnp.zeros((1, 128), jnp.bfloat16),
         jnp.zeros((128, 128), fp8_blocks.FP8),

@@ -34,7 +34,7 @@ __all__ = [
 def pays_off(x: jnp.ndarray) -> bool:
     """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
     kernel takes the weight): decode's rows (up to ``MAX_ROWS``) of bfloat16. On V3's
-    projections at 1, 16 and 64 rows it beat the Triton FP8 kernel in 17 of 18 cases (0.72-
+    projections at 1, 16 and 64 rows it beat the Triton FP8 kernel in 17 of 18 cases (0.54-
     0.98x its time; the shared experts' gate_proj at 16 rows: 12.2 against 12.0 us) and the
     bf16 weight on the wide ones (o_proj, the dense MLP: 0.70-0.85x; H200, 2026-12-06,
     ``benchmarks/skinny_matmul_fp8.json``)."""
