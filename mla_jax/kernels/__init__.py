@@ -1,7 +1,7 @@
 """MLA attention kernels, the MoE grouped matmul and the FP8 matmuls (weight-only, and w8a8
-on Hopper): Pallas
-(Triton lowering on GPU, interpret mode elsewhere) and their pure-jnp references, behind one
-selector, plus the host-side plan the Pallas kernels' schedules are built with.
+on Hopper): Pallas (Triton lowering on GPU, interpret mode elsewhere) and their pure-jnp
+references, behind one selector, plus the host-side plan the Pallas kernels' schedules are
+built with.
 
 Each kernel can be called on its own: the README's Kernels section gives their shapes,
 dtypes, the LSE layout and the block-table contract, with a snippet for each that runs as it
