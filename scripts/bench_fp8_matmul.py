@@ -7,17 +7,13 @@ bf16 activations.
     python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
-set: ``fp8_matmul.fastest`` for the projections, on a Hopper GPU
-``fp8_matmul.decode_on_mosaic_gpu``; the grouped matmul with the tuned FP8 configs for the
-experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill), its relative error
-against the reference (the weights dequantized, then one matmul), and for the projections the
-alternatives the product did not pick at that row count: the Pallas kernel, or the weight
-dequantized into a bf16 temporary then XLA's dot (cuBLAS); at decode over a weight the Hopper
-set runs on the Mosaic GPU skinny matmul, the Triton kernel set's path; and at prefill the
-projection as one group on the Mosaic GPU grouped matmul
-(``fp8_matmul.prefill_on_mosaic_gpu``, in no kernel set yet); for the MoE layer at prefill,
-its experts on the Triton grouped matmul (the Hopper kernel set runs FP8 experts there on the
-Mosaic GPU one).
+set's: ``fp8_matmul.fastest`` for the projections, their FP8 weights in HF's ``[N, K]``
+layout; the grouped matmul with the tuned FP8 configs for the experts), their ratio (issue 23
+asks <= 0.6x at decode, <= 1x at prefill), its relative error against the reference (the
+weights dequantized, then one matmul), and for the projections the alternative the product
+did not pick at that row count: the Pallas kernel, or the weight dequantized into a bf16
+temporary then XLA's dot (cuBLAS); for the MoE layer at prefill, its experts on the Triton
+grouped matmul (the Hopper kernel set runs FP8 experts there on the Mosaic GPU one).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -43,7 +39,7 @@ from flax import nnx
 
 from mla_jax import kernels
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
-from mla_jax.kernels import fp8_blocks, skinny_matmul
+from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.model.config import MoEConfig, moe_preset
@@ -86,7 +82,7 @@ SMOKE = Sizes(
         "q_a_proj": (64, 48),
         "o_proj": (40, 64),
         "mlp.gate_proj": (128, 256),
-        "mlp.down_proj": (fm.SKINNY_MIN_K, 64),  # deep enough for the Hopper set's skinny matmul
+        "mlp.down_proj": (256, 64),
     },
     tokens=(4, 160),  # 80 rows an expert at prefill: the Mosaic GPU kernel's regime
     blocks=(64, 64),
@@ -124,14 +120,27 @@ ALTERNATIVES = {
     "dequant+cuBLAS": kernels.TRITON._replace(
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
-    "triton": kernels.TRITON,
 }
-# The alternatives at prefill: the MoE layer's routed experts on the Triton grouped matmul
-# (where the Hopper set runs the Mosaic GPU one), a projection as one group on the Mosaic GPU
-# grouped matmul.
-MOSAIC_PROJECTIONS = kernels.TRITON._replace(
-    fp8_matmul=kernels.on_whole_weights(fm.prefill_on_mosaic_gpu)
-)
+
+
+def _fp8_projection(n_in: int, n_out: int, blocks: fp8_blocks.Fp8Blocks, seed: int):
+    """A projection's random FP8 weight in HF's layout, ``[N = n_out, K = n_in]``
+    float8_e4m3fn spanning e4m3's range, and its random ``[N-grid, K-grid]`` float32 block
+    scales (the dequantized weight about ``1 / sqrt(K)``)."""
+    weight_key, scale_key = jax.random.split(jax.random.key(seed))
+    weight = jnp.clip(64 * jax.random.normal(weight_key, (n_out, n_in)), -448, 448)
+    scale_shape = blocks.scale_shape_nk(n_out, n_in)
+    scale_inv = jax.random.uniform(scale_key, scale_shape, jnp.float32, 0.5, 2.0) / 64 / n_in**0.5
+    return weight.astype(fp8_blocks.FP8), scale_inv
+
+
+def _fp8_product(impl, weight: jax.Array, scale_inv: jax.Array, blocks: fp8_blocks.Fp8Blocks):
+    """``x -> x @ dequantize(weight, scale_inv)^T`` by the FP8 matmul of ``impl``
+    (``kernels.select``: as ``layers.Linear`` calls it) compiled, the weight passed as an
+    argument (as ``_jitted``)."""
+    matmul = kernels.select(impl).fp8_matmul
+    step = jax.jit(lambda weight, scale_inv, x: matmul(x, weight, scale_inv, blocks=blocks))
+    return functools.partial(step, weight, scale_inv)
 
 
 def _jitted(module: nnx.Module, impl, **kwargs):
@@ -214,45 +223,23 @@ def _rel_err(kernel_fn, reference_fn, args) -> float:
 
 def projection_rows(sizes: Sizes) -> list[dict]:
     rows = []
+    blocks = fp8_blocks.Fp8Blocks(*sizes.blocks)
     for name, (n_in, n_out) in sizes.projections.items():
         bf16 = Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0))
-        fp8 = _fp8_state(Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0), sizes.blocks), 1)
+        weight, scale_inv = _fp8_projection(n_in, n_out, blocks, 1)
         for tokens in sizes.projection_tokens:
             keys = jax.random.split(jax.random.key(tokens), 3)
             args = [(jax.random.normal(k, (tokens, n_in), jnp.bfloat16),) for k in keys]
-            kernel_fn = _jitted(fp8, "pallas")
-            error_fns = (kernel_fn, _jitted(fp8, "reference"))
+            kernel_fn = _fp8_product("pallas", weight, scale_inv, blocks)
+            error_fns = (kernel_fn, _fp8_product("reference", weight, scale_inv, blocks))
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
-            # The paths the product did not take at this row count.
-            others = ["pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"]
-            if fm.skinny_pays_off(tokens, n_in):
-                others.append("triton")  # where the Hopper set runs the skinny matmul
-            r["others"] = [
-                (other, time_us(_jitted(fp8, ALTERNATIVES[other]), args, reps=10))
-                for other in others
-            ]
-            if tokens > fm.PALLAS_MAX_ROWS:
-                r.update(_mosaic_projection(fp8, sizes.blocks, tokens, args, r["others"]))
+            # The path the product did not take at this row count.
+            other = "pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
+            alternative = _fp8_product(ALTERNATIVES[other], weight, scale_inv, blocks)
+            r["others"] = [(other, time_us(alternative, args, reps=10))]
             print(name, tokens, jsonable(r), flush=True)
             rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
     return rows
-
-
-def _mosaic_projection(fp8: Linear, blocks, tokens: int, args, others: list) -> dict:
-    """The projection on the Mosaic GPU grouped matmul as one group, added to ``others``
-    (or why it cannot run), with its error against the reference."""
-    weight, weight_blocks = fp8.kernel[...], fp8_blocks.Fp8Blocks(*blocks)
-    config = gm.pallas_mosaic_gpu.MosaicGroupedMatmulConfig.for_weight(
-        weight.shape[-1], weight_blocks
-    )
-    rows = jnp.zeros((tokens, weight.shape[0]), jnp.bfloat16)
-    reason = gm.pallas_mosaic_gpu.unsupported(rows, weight[None], config, weight_blocks)
-    if reason is not None:
-        others.append(("mosaic", f"n/a ({reason})"))
-        return {}
-    mosaic = _jitted(fp8, MOSAIC_PROJECTIONS)
-    others.append(("mosaic", time_us(mosaic, args, reps=10)))
-    return {"mosaic_rel_err": _rel_err(mosaic, _jitted(fp8, "reference"), args[0])}
 
 
 def _row(name: str, tokens: int, r: dict) -> dict:
@@ -261,9 +248,6 @@ def _row(name: str, tokens: int, r: dict) -> dict:
     timings = dict(bf16=r["bf16"], fp8=r["fp8"])
     alternatives = []
     for other, timing in r.get("others", []):
-        if isinstance(timing, str):  # why it could not run
-            alternatives.append(f"{other} {timing}")
-            continue
         alternatives.append(f"{other} {timing.us:.1f} ({timing.us / r['bf16'].us:.2f}x)")
         timings[other] = timing
     return row([*cells, "; ".join(alternatives)], **timings)
@@ -339,19 +323,13 @@ def tables(args) -> None:
             "prefill, on a Hopper GPU, the Mosaic GPU kernel; the FP8 experts "
             "stacked as two layers', as a model stacks them: one V3 layer's FP8 down_proj, "
             "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
-            "projections through "
+            "projections (their FP8 weights in HF's [N, K] layout) through "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
-            "them the weight dequantized into a bf16 temporary, then XLA's dot; on a Hopper "
-            f"GPU a weight of K from {fm.SKINNY_MIN_K} at up to {skinny_matmul.MAX_ROWS} rows "
-            "on the Mosaic GPU skinny matmul instead). Alternative: the projection's other "
-            "path at that row count (10 calls), triton: the Triton kernel set's path where the "
-            "Hopper set runs the skinny matmul, and at prefill the projection as one group on "
-            "the Mosaic GPU grouped matmul "
-            "(grouped_matmul/pallas_mosaic_gpu.py; in no kernel set for projections yet; its "
-            "error in the JSON), the FP8 weight read in place. The MoE layer at prefill: the "
-            "Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; alternative: "
-            "the Triton grouped matmul. Times: medians of the summed CUPTI kernel durations "
-            "of warm calls over 3 rotating inputs.",
+            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
+            "the projection's other path at that row count (10 calls). The MoE layer at "
+            "prefill: the Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; "
+            "alternative: the Triton grouped matmul. Times: medians of the summed CUPTI kernel "
+            "durations of warm calls over 3 rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation).",
         ],

@@ -12,11 +12,10 @@ bandwidth measured in the same run (issue 20 asks >= 85%), their ratio, the kern
 (``launch``: column block, slices of K) and its relative error against a float32 product.
 A second table puts the kernel over FP8 weights (float8_e4m3fn, 128 x 128 block scales, as
 DeepSeek-V3 ships them) beside the Triton FP8 kernel (``fp8_matmul.fastest``: what the
-Triton kernel set runs, and the Hopper set for K under ``fp8_matmul.SKINNY_MIN_K``) and the
-bf16 weight's XLA dot, on V3's projections (issue 23 asks
-an FP8 projection at decode for <= 0.6x the bf16 time), and beside them the w8a8 matmul
-(``mla_jax/kernels/w8a8_matmul``: the weight in HF's ``[N, K]`` layout, x quantized into e4m3,
-e4m3 wgmmas); its bandwidth counts the e4m3 bytes.
+Triton kernel set runs, over the weight in HF's ``[N, K]`` layout) and the bf16 weight's XLA
+dot, on V3's projections (issue 23 asks an FP8 projection at decode for <= 0.6x the bf16
+time), and beside them the w8a8 matmul (``mla_jax/kernels/w8a8_matmul``: the same ``[N, K]``
+weight, x quantized into e4m3, e4m3 wgmmas); its bandwidth counts the e4m3 bytes.
 ``--sweep``: the kernel's launch parameters (column block, step depth, stages, slices) on
 V2-Lite's shapes at 16 rows (``skinny_matmul_sweep.json``, under --out only).
 
@@ -249,7 +248,8 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
         stacks = _fp8_stacks(k, n, sizes.rotation_bytes)
         bf16_stacks = [fp8_blocks.dequantize(w, s, FP8_BLOCKS, jnp.bfloat16) for w, s in stacks]
         dense = fp8_blocks.dequantize(stacks[0][0][1], stacks[0][1][1], FP8_BLOCKS)
-        # w8a8's weight: layer 1 in HF's [N, K] layout, with its [N / 128, K / 128] scales
+        # The Triton kernel's and w8a8's weight: layer 1 in HF's [N, K] layout, with its
+        # [N / 128, K / 128] scales
         hf_layout = [(w[1].T, scale[1].T) for w, scale in stacks]
         for m in sizes.rows:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
@@ -258,7 +258,7 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
                 _compiled(_model_product, x, bf16_stacks[0]), [(x, s) for s in bf16_stacks]
             )
             triton = _fp8_case(
-                lambda x, w, s: fm.fastest(x, w, s, blocks=FP8_BLOCKS, layer=1), x, stacks, want
+                lambda x, w, s: fm.fastest(x, w, s, blocks=FP8_BLOCKS), x, hf_layout, want
             )
             reason = skinny.unsupported(x, stacks[0][0], blocks=FP8_BLOCKS)
             kernel = (
@@ -320,12 +320,11 @@ def fp8_table(sizes: Sizes, bandwidth_gbs: float, out_dir: str | None) -> None:
             "block scales, stacks rotating past L2; bf16: the same weights dequantized into "
             "bf16, through what layers.Linear runs for them (XLA's dot, K split by "
             "layers.k_splits). Triton FP8: fp8_matmul.fastest (what the Triton kernel set runs "
-            "for an FP8 Linear) over the stack's layer 1, read in place. Kernel: skinny_matmul "
-            f"(what the Hopper set runs for K from {fm.SKINNY_MIN_K}) over the stack's "
-            "layer 1, read in place, "
+            "for an FP8 Linear) over the same layer in HF's [N, K] layout (a copy, as w8a8 "
+            "reads it). Kernel: skinny_matmul over the stack's layer 1, read in place, "
             "with its default launch (columns a program x slices of K; two compute warpgroups "
             "taking alternate steps).",
-            "w8a8: w8a8_matmul over the same layer in HF's [N, K] layout (a copy, e4m3 wgmmas), "
+            "w8a8: w8a8_matmul over the same [N, K] copy of the layer (e4m3 wgmmas), "
             "x quantized per row and 128 columns into e4m3 in the same call; its rel err is "
             "mostly that rounding of x (about 2.5%).",
             "Of copy BW: K N bytes (e4m3) over the time. rel err: relative L2 against a float32 "

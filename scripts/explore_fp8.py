@@ -1,8 +1,9 @@
 """The FP8 matmul variants of issue 23, per shape and row count, timed with CUPTI in one
-trace per group: the Pallas kernels' configs, XLA with the dequantization written into the
-dot's operand (and whether its compiled HLO fuses it: it does not, a bf16 copy is made), a
-bf16 temporary then cuBLAS, and w8a8 (activations quantized per token and 128 columns, an
-FP8 x FP8 Pallas kernel, the weight [K, N] or [N, K]). Prints a table and writes
+trace per group: the Pallas kernels' configs (``fp8_matmul`` over the weight in HF's [N, K]
+layout), XLA with the dequantization written into the dot's operand (and whether its
+compiled HLO fuses it: it does not, a bf16 copy is made), a bf16 temporary then cuBLAS, and
+w8a8 (activations quantized per token and 128 columns, an FP8 x FP8 Pallas kernel, the
+weight [K, N] or [N, K]). Prints a table and writes
 explore.json (and the compiled HLO texts) under --out (or $OUT); its GPU run of 2026-11-25
 is benchmarks/tuning/fp8_matmul_variants.json.
 
@@ -194,6 +195,7 @@ def dense():
         w, s = rand_fp8(key, (k, n), BLOCKS)
         wb = fp8_blocks.dequantize(w, s, BLOCKS, jnp.bfloat16)
         wt = w.T.copy() if not SMOKE else w.T
+        st = s.T  # wt's scales: fp8_matmul takes HF's [N, K] layout
         for m in ROWS:
             xs = [
                 (jax.random.normal(jax.random.key(i + m), (m, k), jnp.float32) * 0.5).astype(
@@ -224,7 +226,7 @@ def dense():
             }
             for cname, cfg in configs.items():
                 f = jax.jit(functools.partial(fm.fp8_matmul, blocks=BLOCKS, config=cfg))
-                fns[cname] = (f, [(x, w, s) for x in xs])
+                fns[cname] = (f, [(x, wt, st) for x in xs])
             for vname, v in [
                 ("xla_fused_f32", xla_fused_f32),
                 ("xla_fused_bf16", xla_fused_bf16),
@@ -262,7 +264,7 @@ def dense():
                     f"cublas={h.get('cublas')} bf16_KN={h.get('bf16_KN_materialized')}",
                     flush=True,
                 )
-        del w, s, wb, wt
+        del w, s, wb, wt, st
 
 
 def grouped():

@@ -116,7 +116,8 @@ def _fp8_weight(key, shape, blocks):
 def tune_dense(shapes, block, reps, record, table):
     blocks = fp8_blocks.Fp8Blocks(block, block)
     for name, (depth, width) in shapes.items():
-        weight, scale = _fp8_weight(jax.random.key(0), (depth, width), blocks)
+        # fp8_matmul takes HF's layout: weight [N, K], its scales [N-grid, K-grid]
+        weight, scale = (a.T for a in _fp8_weight(jax.random.key(0), (depth, width), blocks))
         for rows in (1, 64):
             xs = [
                 jax.random.normal(jax.random.key(i), (rows, depth), jnp.bfloat16) for i in range(2)

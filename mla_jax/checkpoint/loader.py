@@ -3,8 +3,10 @@
 Parameter paths map to HF tensor names mechanically. The decoder layers' parameters are
 stacked, so ``layers.self_attn.q_b_proj.kernel [L, in, out]`` holds one tensor per layer:
 its row ``i`` is ``model.layers.{i}.self_attn.q_b_proj.weight`` transposed (HF stores
-``[out, in]``). ``embed_tokens.embedding`` is ``model.embed_tokens.weight``, and ``lm_head``
-has no ``model.`` prefix. A few parameters hold parts of HF tensors, or several of them:
+``[out, in]``); a kept FP8 projection's ``weight [L, out, in]`` and ``weight_scale_inv``
+hold HF's tensors as they are. ``embed_tokens.embedding`` is ``model.embed_tokens.weight``,
+and ``lm_head`` has no ``model.`` prefix. A few parameters hold parts of HF tensors, or several
+of them:
 ``W_UK`` / ``W_UV`` (``kv_b_proj``'s, ``attention.kv_b_part``), ``fused_qkv_a_proj``
 (``q_a_proj`` and ``kv_a_proj_with_mqa`` side by side, ``attention.fused_qkv_a_part``) and
 the routed experts' stacks (``moe.hf_expert_slice``).
@@ -127,8 +129,12 @@ def hf_tensors(
         elif qkv_a:
             for module, columns in qkv_a:
                 name = f"{prefix}.self_attn.{module}.weight"
-                hf_shape = (columns.stop - columns.start, shape[1])
-                slots.append(TensorSlot(name, (i, slice(None), columns), (1, 0), hf_shape))
+                if _is_transposed(path):  # kernel [in, out]: the module's output columns
+                    hf_shape = (columns.stop - columns.start, shape[1])
+                    slots.append(TensorSlot(name, (i, slice(None), columns), (1, 0), hf_shape))
+                else:  # an FP8 weight [out, in], HF's layout: its rows
+                    hf_shape = (columns.stop - columns.start, shape[2])
+                    slots.append(TensorSlot(name, (i, columns), (0, 1), hf_shape))
         elif parts[2:4] == ["mlp", "experts"]:
             fused = f"{prefix}.mlp.experts.{parts[4]}" in available
             for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
@@ -144,19 +150,22 @@ def hf_tensors(
 
 def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, runs) -> list[TensorSlot]:
     """The ``weight_scale_inv`` slots of the scale grid ``shape`` at ``path``: its weight's
-    slots (``hf_tensors`` of the weight's shape, as the model builds it), each weight
-    column range mapped to its range of grid columns. A fused weight's grid is its parts'
-    grids side by side, each starting on a whole block: a routed experts' ``gate_up_proj``'s
-    up half after the gate's ``cdiv(I, bo)`` columns, ``fused_qkv_a_proj``'s
-    ``kv_a_proj_with_mqa`` after ``q_a_proj``'s ``Lq / bo``."""
+    slots (``hf_tensors`` of the weight's shape, as the model builds it), each range of
+    output columns (the slot index's last entry) mapped to its range of grid columns. A
+    fused weight's grid is its parts' grids side by side, each starting on a whole block: a
+    routed experts' ``gate_up_proj``'s up half after the gate's ``cdiv(I, bo)`` columns,
+    ``fused_qkv_a_proj``'s ``kv_a_proj_with_mqa`` after ``q_a_proj``'s ``Lq / bo``. The grid
+    is in its weight's layout: ``[in, out]`` blocks for the routed experts' stacks, HF's
+    ``[out, in]`` for a projection's ``weight``."""
     bo, bi = cfg.quantization.weight_block_size
     *lead, rows, cols = shape
-    weight_path = (*path[:-1], str(path[-1])[: -len(SCALE_SUFFIX)])
+    weight_name = str(path[-1])[: -len(SCALE_SUFFIX)]
+    weight_path = (*path[:-1], weight_name)
+    row_block, col_block = (bo, bi) if weight_name == "weight" else (bi, bo)
     slots = []
     # The weight's slots for a weight of the grid's size in blocks (the fused weights' column
-    # ranges come from the config; a plain weight's HF shape is the grid's, transposed, in
-    # blocks).
-    for slot in hf_tensors(weight_path, (*lead, rows * bi, cols * bo), cfg, runs):
+    # ranges come from the config; a plain weight's HF shape is the grid's, in blocks).
+    for slot in hf_tensors(weight_path, (*lead, rows * row_block, cols * col_block), cfg, runs):
         out, inp = slot.hf_shape
         index, columns = slot.index, slot.index[-1]
         if isinstance(columns, slice) and columns.start is not None:
@@ -175,6 +184,8 @@ def _plain_slot(name: str, index: tuple, shape: tuple[int, ...], *, transposed: 
 
 
 def _is_transposed(path: tuple) -> bool:
+    """A ``kernel [in, out]`` holds its HF ``weight [out, in]`` transposed; an FP8
+    projection's ``weight`` (``layers.Linear``) and the rest hold theirs as they are."""
     return path[-1] == "kernel"
 
 

@@ -1,6 +1,7 @@
-"""MLA attention kernels, the MoE grouped matmul and the FP8 weight-only matmul: Pallas
-(Triton lowering on GPU, interpret mode elsewhere) and their pure-jnp references, behind one
-selector, plus the host-side plan the Pallas kernels' schedules are built with.
+"""MLA attention kernels, the MoE grouped matmul and the FP8 matmuls (weight-only, and w8a8
+on Hopper): Pallas (Triton lowering on GPU, interpret mode elsewhere) and their pure-jnp
+references, behind one selector, plus the host-side plan the Pallas kernels' schedules are
+built with.
 
 Each kernel can be called on its own: the README's Kernels section gives their shapes,
 dtypes, the LSE layout and the block-table contract, with a snippet for each that runs as it
@@ -16,7 +17,18 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import decode, fp8, fp8_matmul, grouped_matmul, merge, mosaic_gpu, prefill, tiling
+from . import (
+    decode,
+    fp8,
+    fp8_blocks,
+    fp8_matmul,
+    grouped_matmul,
+    merge,
+    mosaic_gpu,
+    prefill,
+    tiling,
+    w8a8_matmul,
+)
 from .decode import pallas_mosaic_gpu
 
 log = logging.getLogger(__name__)
@@ -133,13 +145,35 @@ def _hopper_grouped_matmul(
     )
 
 
-# Hopper (sm90): decode, prefill, FP8 experts at prefill and deep FP8 projections at decode
-# on Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
+def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+    """Decode's rows over an FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3 wgmmas,
+    x quantized per token and 128 columns) where the kernel takes the weight, the Triton FP8
+    kernel (``fp8_matmul.fastest``) elsewhere; either choice for such a product said once."""
+    if w8a8_matmul.pays_off(x):
+        shape = list(weight.shape[-2:])
+        reason = (
+            "its weight blocks are not 128 x 128"
+            if blocks != fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
+            else w8a8_matmul.unsupported(x, weight, scale_inv, layer)
+        )
+        if reason is None:
+            mosaic_gpu.log_once(
+                log,
+                f"fp8_matmul: w8a8 (x quantized to e4m3 per token and 128 columns, FP8 tensor "
+                f"cores) for {shape} at up to {w8a8_matmul.MAX_ROWS} rows",
+            )
+            return w8a8_matmul.w8a8_matmul(x, weight, scale_inv, layer=layer)
+        mosaic_gpu.log_once(log, f"fp8_matmul: {shape} not on w8a8 ({reason})")
+    return fp8_matmul.fastest(x, weight, scale_inv, blocks=blocks, layer=layer)
+
+
+# Hopper (sm90): decode, prefill, FP8 experts at prefill and FP8 projections at decode on
+# Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
 # matmuls are Triton's.
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,
     grouped_matmul=_hopper_grouped_matmul,
-    fp8_matmul=on_whole_weights(fp8_matmul.decode_on_mosaic_gpu),
+    fp8_matmul=on_whole_weights(_hopper_fp8_matmul),
     flash_prefill=prefill.pallas_mosaic_gpu.flash_prefill,
     backend="mosaic_gpu",
 )

@@ -1,15 +1,18 @@
-"""FP8 weights with block scales (DeepSeek's ``weight_scale_inv``) in the kernels' ``[K, N]``
-layout, shared by ``fp8_matmul``, ``grouped_matmul`` and their references.
+"""FP8 weights with block scales (DeepSeek's ``weight_scale_inv``), shared by ``fp8_matmul``,
+``grouped_matmul``, ``w8a8_matmul`` and their references.
 
-A weight ``[..., K, N]`` (HF's ``[N, K]`` transposed) is stored as float8_e4m3fn with one
-float32 scale per ``block_in`` rows x ``block_out`` columns; its value is the fp8 value times
-its block's scale. The edge blocks may be partial (the grid is ``cdiv``-sized). A fused weight
-of ``parts`` side-by-side matrices (the routed experts' ``gate_up_proj``: gate then up) holds
-each part's own grid, so the scale grid is ``[..., cdiv(K, block_in), parts x cdiv(N / parts,
-block_out)]``. The Pallas kernels load a weight tile as fp8, gather its scales (one scale row
-per K step when ``block_in`` is a multiple of the step, else one per tile row) and dequantize
-the tile in registers into the activations' dtype before the MMA: the weight crosses HBM once,
-in fp8.
+A weight is stored as float8_e4m3fn with one float32 scale per ``block_out`` output columns x
+``block_in`` rows of K; its value is the fp8 value times its block's scale. The edge blocks may
+be partial (the grid is ``cdiv``-sized). Two layouts: the routed experts' ``[..., K, N]`` (HF's
+``[N, K]`` transposed; ``scale_shape``, ``check``, ``dequantize``) and the projections' ``[...,
+N, K]``, HF's own (``scale_shape_nk``, ``check_nk``, ``dequantize_nk``), which Hopper's FP8
+tensor cores read K-major. A fused weight of ``parts`` matrices side by side on N (the routed
+experts' ``gate_up_proj``: gate then up; ``fused_qkv_a_proj``) holds each part's own grid, so
+the scale grid is ``[..., cdiv(K, block_in), parts x cdiv(N / parts, block_out)]`` (``[K, N]``)
+or its transpose (``[N, K]``). The Pallas kernels load a weight tile as fp8, gather its scales
+(one scale row per K step when ``block_in`` is a multiple of the step, else one per tile row)
+and dequantize the tile in registers into the activations' dtype before the MMA: the weight
+crosses HBM once, in fp8.
 """
 
 from __future__ import annotations
@@ -49,15 +52,30 @@ class Fp8Blocks:
     def check(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
         """ValueError (one line, naming ``what``) unless ``weight [..., K, N]`` is
         float8_e4m3fn and ``scale_inv`` float32 of its grid, N splitting into the parts."""
+        *lead, depth, width = weight.shape
+        self._check(weight, scale_inv, what, width, (*lead, *self.scale_shape(depth, width)))
+
+    def scale_shape_nk(self, width: int, depth: int) -> tuple[int, int]:
+        """``[parts x cdiv(N / parts, block_out), cdiv(K, block_in)]`` for an ``[N, K]`` weight
+        (HF's layout: its ``weight_scale_inv``'s grid)."""
+        return self.scale_shape(depth, width)[::-1]
+
+    def check_nk(self, weight: jax.Array, scale_inv: jax.Array, what: str = "weight") -> None:
+        """``check`` for a weight ``[..., N, K]`` (HF's layout) and its ``scale_shape_nk``
+        grid."""
+        *lead, width, depth = weight.shape
+        self._check(weight, scale_inv, what, width, (*lead, *self.scale_shape_nk(width, depth)))
+
+    def _check(self, weight, scale_inv, what: str, width: int, want: tuple) -> None:
+        """``check``'s tests of a weight of ``width`` columns (N) whose scales must be
+        ``want``, in either layout (the shapes said as given)."""
         if weight.dtype != FP8 or scale_inv.dtype != jnp.float32:
             raise ValueError(
                 f"{what} must be float8_e4m3fn with float32 scales, got {weight.dtype} and "
                 f"{scale_inv.dtype}"
             )
-        *lead, depth, width = weight.shape
         if width % self.parts:
             raise ValueError(f"{what} {list(weight.shape)}: N is not {self.parts} equal parts")
-        want = (*lead, *self.scale_shape(depth, width))
         if tuple(scale_inv.shape) != want:
             raise ValueError(
                 f"{what} scale_inv {list(scale_inv.shape)} does not fit {list(weight.shape)} "
@@ -88,6 +106,19 @@ def dequantize(
     return (weight.astype(jnp.float32) * scales).astype(dtype)
 
 
+def dequantize_nk(
+    weight: jax.Array, scale_inv: jax.Array, blocks: Fp8Blocks, dtype=jnp.float32
+) -> jax.Array:
+    """``weight [..., N, K]`` (HF's layout) float8_e4m3fn times its blocks' ``scale_inv [...,
+    parts x cdiv(N / parts, block_out), cdiv(K, block_in)]`` -> ``[..., N, K]`` in ``dtype``
+    (computed in float32)."""
+    width, depth = weight.shape[-2:]
+    rows = scale_columns(jnp.arange(width), width, blocks)
+    cols = jnp.arange(depth) // blocks.block_in
+    scales = scale_inv[..., rows, :][..., cols]
+    return (weight.astype(jnp.float32) * scales).astype(dtype)
+
+
 def dequantize_tile(
     tile: jax.Array,
     scale_ref,
@@ -99,54 +130,91 @@ def dequantize_tile(
     blocks: Fp8Blocks,
     width: int,
     dtype,
+    nk: bool = False,
 ) -> jax.Array:
     """Inside a Pallas kernel: the fp8 weight tile ``[block_k, block_n]`` at rows ``k0 + [0,
     block_k)`` and ``columns [block_n]`` (int32) of a ``width``-column weight, times its
     scales read from ``scale_ref`` (indexed by the scalars ``lead``, then the grid's row and
     column) -> ``dtype``. ``k_ok [block_k]`` and ``col_ok [block_n]`` (or None: all inside):
-    the tile's rows and columns inside the weight; no scale outside it is read."""
-    block_k = tile.shape[0]
-    scale_cols = scale_columns(columns, width, blocks)
+    the tile's rows and columns inside the weight; no scale outside it is read. ``nk``: the
+    tile is ``[block_n, block_k]``, of an ``[..., N, K]`` weight whose ``scale_ref`` is the
+    ``[..., N-grid, K-grid]`` transpose (HF's layout)."""
+    block_k = tile.shape[1 if nk else 0]
+    inside = tile_mask(k_ok, col_ok, tile.shape, nk)
     if blocks.block_in % block_k == 0:
         # The K step lies in one scale row (k0 is a multiple of block_k, and k0 < K): a row
         # of scales; rows past K are zeros in the tile.
-        scales = step_scales(scale_ref, lead, k0, columns, col_ok, blocks, width)[None, :]
+        step = step_scales(scale_ref, lead, k0, columns, col_ok, blocks, width, nk)
+        _, scales = _on_tile(None, step, nk)
     else:  # blocks smaller than the step (tests' tiny blocks): a scale per element
         rows = (k0 + jnp.arange(block_k, dtype=jnp.int32)) // blocks.block_in
-        mask = None if k_ok is None and col_ok is None else _mask(k_ok, col_ok, tile.shape)
-        index = scale_ref.at[(*lead, rows[:, None], scale_cols[None, :])]
-        scales = index[...] if mask is None else plgpu.load(index, mask=mask, other=0.0)
+        scale_cols = scale_columns(columns, width, blocks)
+        index = scale_ref.at[_scale_index(lead, *_on_tile(rows, scale_cols, nk), nk)]
+        scales = index[...] if inside is None else plgpu.load(index, mask=inside, other=0.0)
     values = tile.astype(jnp.float32)
-    if k_ok is not None or col_ok is not None:  # masked elements were loaded undefined
-        inside = _mask(k_ok, col_ok, tile.shape)
+    if inside is not None:  # masked elements were loaded undefined
         values = jnp.where(inside, values, 0.0)
     return (values * scales).astype(dtype)
 
 
 def step_scales(
-    scale_ref, lead: tuple, k0, columns: jax.Array, col_ok: jax.Array | None, blocks, width: int
+    scale_ref,
+    lead: tuple,
+    k0,
+    columns: jax.Array,
+    col_ok: jax.Array | None,
+    blocks,
+    width: int,
+    nk: bool = False,
 ) -> jax.Array:
     """Inside a Pallas kernel: the ``[block_n]`` float32 scales of a K step at ``k0`` that
     lies in one scale row (``blocks.block_in`` a multiple of the step), for ``columns``
-    (int32) of a ``width``-column weight; 0 where ``col_ok`` is False."""
-    index = scale_ref.at[(*lead, k0 // blocks.block_in, scale_columns(columns, width, blocks))]
+    (int32) of a ``width``-column weight; 0 where ``col_ok`` is False. ``nk``: ``scale_ref``
+    is the ``[..., N-grid, K-grid]`` grid of an ``[N, K]`` weight."""
+    k_index, n_index = k0 // blocks.block_in, scale_columns(columns, width, blocks)
+    index = scale_ref.at[_scale_index(lead, k_index, n_index, nk)]
     return index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0)
 
 
-def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype) -> jax.Array:
-    """An fp8 weight tile converted (exactly) into ``dtype``, its masked elements (loaded
-    undefined) zeroed: the tile of a step whose scales go on the product instead."""
+def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype, nk: bool = False) -> jax.Array:
+    """An fp8 weight tile (``[block_k, block_n]``, or ``[block_n, block_k]`` where ``nk``)
+    converted (exactly) into ``dtype``, its masked elements (loaded undefined) zeroed: the
+    tile of a step whose scales go on the product instead."""
     values = tile.astype(dtype)
-    if k_ok is not None or col_ok is not None:
-        values = jnp.where(_mask(k_ok, col_ok, tile.shape), values, jnp.zeros((), dtype))
+    inside = tile_mask(k_ok, col_ok, tile.shape, nk)
+    if inside is not None:
+        values = jnp.where(inside, values, jnp.zeros((), dtype))
     return values
 
 
-def _mask(k_ok: jax.Array | None, col_ok: jax.Array | None, shape) -> jax.Array:
-    """The ``[block_k, block_n]`` mask of a tile from its row and column masks (one may be
-    None: all inside)."""
+def tile_mask(
+    k_ok: jax.Array | None, col_ok: jax.Array | None, shape, nk: bool = False
+) -> jax.Array | None:
+    """The mask of a weight tile of ``shape`` (``[block_k, block_n]``, or ``[block_n,
+    block_k]`` where ``nk``) from its K and column masks (None: all inside); None where
+    both are None."""
+    if k_ok is None and col_ok is None:
+        return None
+    k_ok, col_ok = _on_tile(k_ok, col_ok, nk)
     if k_ok is None:
-        return jnp.broadcast_to(col_ok[None, :], shape)
+        return jnp.broadcast_to(col_ok, shape)
     if col_ok is None:
-        return jnp.broadcast_to(k_ok[:, None], shape)
-    return k_ok[:, None] & col_ok[None, :]
+        return jnp.broadcast_to(k_ok, shape)
+    return k_ok & col_ok
+
+
+def _on_tile(k_values: jax.Array | None, n_values: jax.Array | None, nk: bool):
+    """``k_values [block_k]`` and ``n_values [block_n]`` (either None) shaped to broadcast
+    against a tile ``[block_k, block_n]``, or ``[block_n, block_k]`` where ``nk``."""
+    k_axis = 1 if nk else 0
+
+    def expand(values, along: int):  # values along the tile's axis ``along``
+        return None if values is None else jnp.expand_dims(values, 1 - along)
+
+    return expand(k_values, k_axis), expand(n_values, 1 - k_axis)
+
+
+def _scale_index(lead: tuple, k_index, n_index, nk: bool) -> tuple:
+    """The index into a scale grid (after ``lead``) of its K-grid and N-grid indices: ``[...,
+    K-grid, N-grid]``, or ``[..., N-grid, K-grid]`` where ``nk``."""
+    return (*lead, n_index, k_index) if nk else (*lead, k_index, n_index)

@@ -1,8 +1,8 @@
 """The reduction loop of the matmul kernels (``grouped_matmul``, ``fp8_matmul``): one output
 tile ``[block_m, block_n]`` accumulated in float32 over steps of ``block_k``, the full steps
-unmasked and the partial last one masked, each step's weight tile dequantized in registers
-when the weight is FP8 (``fp8_blocks``); and the float16 MMA over FP8 weights
-(``float16_operands``, ``unscale_rows``)."""
+unmasked and the partial last one masked, each step's weight tile (of a ``[K, N]`` weight, or
+an ``[N, K]`` one) dequantized in registers when the weight is FP8 (``fp8_blocks``); and the
+float16 MMA over FP8 weights (``float16_operands``, ``unscale_rows``)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def layer_of(weight: jax.Array, scale_inv: jax.Array | None, layer):
 
 
 def as_stack(weight: jax.Array, scale_inv: jax.Array | None, layer):
-    """``(weight [L, K, N], scale_inv [L, ...] or None, layer int32 [1])`` as a kernel that
+    """``(weight [L, ...], scale_inv [L, ...] or None, layer int32 [1])`` as a kernel that
     reads a stack's layer in place takes them: a weight of one layer as a stack of one (free
     reshapes) at layer 0."""
     if layer is None:
@@ -122,6 +122,7 @@ def accumulate(
     blocks: fp8_blocks.Fp8Blocks | None,
     scale_product: bool = False,
     swap_ab: bool = False,
+    rhs_nk: bool = False,
 ) -> jax.Array:
     """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ rhs[lead, s, n0 +
     [0, block_n)]`` -> ``[block_m, block_n]`` float32 (the rows where ``row_ok [block_m]`` is
@@ -131,6 +132,10 @@ def accumulate(
     dtype; else it is in lhs's dtype and ``scale_ref`` is None. ``begin``, ``end``: int32
     scalars within ``[0, cdiv(depth, block_k)]``.
 
+    ``rhs_nk``: ``rhs_ref`` holds the transpose ``[..., N, K]`` (HF's layout, K-major as
+    Hopper's tensor cores read an operand) and ``scale_ref`` its ``[..., N-grid, K-grid]``
+    scales (``Fp8Blocks.scale_shape_nk``); each step loads a ``[block_n, block_k]`` tile and
+    the dot contracts both operands' K axes (the options below work the same).
     ``scale_product`` (FP8 with ``blocks.block_in`` a multiple of ``block_k``): each step's
     tile is only converted (exactly) into lhs's dtype and its scales multiply the step's
     float32 product, ``[block_n]`` multiplies per step instead of ``block_k x block_n``.
@@ -143,38 +148,41 @@ def accumulate(
     col_ok = cols < width if width % block_n else None
     if scale_product and (blocks is None or blocks.block_in % block_k):
         scale_product = False  # no per-step scale row: the tile is dequantized whole
+    k_axis = 1 if rhs_nk else 0  # of the weight tile
 
     def step(s, acc, *, tail: bool):
         k0 = s * block_k
         lhs_mask = row_ok[:, None]
-        rhs_mask = None if col_ok is None else col_ok[None, :]
         k_ok = None
         if tail:
             k_ok = k0 + jnp.arange(block_k, dtype=jnp.int32) < depth
             lhs_mask = lhs_mask & k_ok[None, :]
-            rhs_mask = k_ok[:, None] if rhs_mask is None else rhs_mask & k_ok[:, None]
         a = plgpu.load(lhs_ref.at[pl.ds(r0, block_m), pl.ds(k0, block_k)], mask=lhs_mask, other=0)
-        b_ref = rhs_ref.at[(*lead, pl.ds(k0, block_k), pl.ds(n0, block_n))]
+        k_slice, n_slice = pl.ds(k0, block_k), pl.ds(n0, block_n)
+        b_ref = rhs_ref.at[(*lead, n_slice, k_slice) if rhs_nk else (*lead, k_slice, n_slice)]
+        rhs_mask = fp8_blocks.tile_mask(k_ok, col_ok, b_ref.shape, rhs_nk)
         # Triton cannot cast a fill value to fp8: an FP8 tile's masked elements are zeroed
         # when it is dequantized.
         fill = None if blocks is not None else 0
         b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=fill)
         scales = None
         if scale_product:
-            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype)
-            scales = fp8_blocks.step_scales(scale_ref, lead, k0, cols, col_ok, blocks, width)
+            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype, rhs_nk)
+            scales = fp8_blocks.step_scales(
+                scale_ref, lead, k0, cols, col_ok, blocks, width, rhs_nk
+            )
         elif blocks is not None:
             b = fp8_blocks.dequantize_tile(
-                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype
+                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype, rhs_nk
             )
         if swap_ab:  # [block_n, block_m]
             precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-            dims = (((0,), (1,)), ((), ()))
+            dims = (((k_axis,), (1,)), ((), ()))
             product = jax.lax.dot_general(
                 b, a, dims, precision=precision, preferred_element_type=jnp.float32
             )
             return acc + (product if scales is None else product * scales[:, None])
-        product = online_softmax.dot(a, b)
+        product = online_softmax.dot(a, b, trans_b=rhs_nk)
         return acc + (product if scales is None else product * scales[None, :])
 
     # Loop bounds as strong int32 scalars: Triton's scf.for wants all three of one type, and

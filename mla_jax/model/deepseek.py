@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _KEPT_WHOLE = nnx.Any(
     nnx.PathContains("experts"),
     lambda path, value: (
-        path[-1] == "kernel_scale_inv" or (path[-1] == "kernel" and value.dtype == FP8)
+        path[-1] == "weight_scale_inv" or (path[-1] == "weight" and value.dtype == FP8)
     ),
 )
 

@@ -97,12 +97,12 @@ def matmul_precision(dtype) -> jax.lax.Precision | None:
 class Linear(nnx.Module):
     """Bias-free projection ``[..., n_in] -> [..., n_out]`` computing in ``param_dtype``:
     ``kernel [n_in, n_out]`` in ``param_dtype`` (initialised as ``nnx.Linear``'s), or, with
-    ``fp8_blocks = (bo, bi)`` (a checkpoint's ``weight_block_size``), ``kernel`` in
-    float8_e4m3fn and ``kernel_scale_inv [cdiv(n_in, bi), cdiv(n_out, bo)]`` float32, HF's
-    ``weight`` and ``weight_scale_inv`` transposed, multiplied by the kernel set's
-    ``fp8_matmul`` (dequantized tile by tile on a GPU). ``tensor_split`` (``COLUMNS``,
-    ``ROWS`` or None) says how tensor parallelism splits the kernel, for the FP8 matmul, which
-    the partitioner cannot split itself (``sharding.sharded_kernels``)."""
+    ``fp8_blocks = (bo, bi)`` (a checkpoint's ``weight_block_size``), HF's ``weight [n_out,
+    n_in]`` float8_e4m3fn and ``weight_scale_inv [cdiv(n_out, bo), cdiv(n_in, bi)]`` float32
+    as the checkpoint holds them (Hopper's FP8 tensor cores read the weight K-major),
+    multiplied by the kernel set's ``fp8_matmul``. ``tensor_split`` (``COLUMNS``, ``ROWS`` or
+    None) says how tensor parallelism splits the weight, for the FP8 matmul, which the
+    partitioner cannot split itself (``sharding.sharded_kernels``)."""
 
     def __init__(
         self,
@@ -121,9 +121,9 @@ class Linear(nnx.Module):
         if self.blocks is None:
             self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out), param_dtype))
             return
-        self.kernel = nnx.Param(init(rngs.params(), (n_in, n_out)).astype(FP8))
-        self.kernel_scale_inv = nnx.Param(
-            jnp.ones(self.blocks.scale_shape(n_in, n_out), jnp.float32)
+        self.weight = nnx.Param(init(rngs.params(), (n_in, n_out)).T.astype(FP8))
+        self.weight_scale_inv = nnx.Param(
+            jnp.ones(self.blocks.scale_shape_nk(n_out, n_in), jnp.float32)
         )
 
     def __call__(
@@ -136,9 +136,9 @@ class Linear(nnx.Module):
         """``x [..., n_in]`` -> ``[..., n_out]`` in ``param_dtype``; ``impl``
         (``kernels.select``) picks the FP8 matmul. On a GPU a bf16 projection of few rows
         and a narrow output runs split along K (``k_splits``). ``layer_in_run``: where the FP8
-        ``kernel`` holds a stack of layers' weights ``[L, n_in, n_out]`` (the model's scan
+        ``weight`` holds a stack of layers' weights ``[L, n_out, n_in]`` (the model's scan
         keeps them whole, ``DeepseekModel``), which of them to use; the FP8 matmul reads
-        it in place. A kernel of one layer is that layer's already."""
+        it in place. A weight of one layer is that layer's already."""
         x = x.astype(self.dtype)
         if self.blocks is None:
             kernel = self.kernel[...]
@@ -152,13 +152,13 @@ class Linear(nnx.Module):
             dims = (((x.ndim - 1,), (0,)), ((), ()))
             return jax.lax.dot_general(x, kernel, dims, precision=precision)
         rows = x.reshape(-1, x.shape[-1])
-        kernel = self.kernel[...]
+        weight = self.weight[...]
         y = kernels.select(impl).fp8_matmul(
             rows,
-            kernel,
-            self.kernel_scale_inv[...],
+            weight,
+            self.weight_scale_inv[...],
             blocks=self.blocks,
-            layer=layer_in_run if kernel.ndim == 3 else None,
+            layer=layer_in_run if weight.ndim == 3 else None,
             tensor_split=self.tensor_split,
         )
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -153,11 +153,15 @@ def is_fp8_weight(path: Sequence[str]) -> bool:
 def fp8_scale_shape(
     path: Sequence[str], shape: Sequence[int], quantization: FP8BlockQuantization
 ) -> tuple[int, ...]:
-    """The ``weight_scale_inv`` grid of an FP8 weight of ``shape`` (``[..., in, out]``, the
-    parameter layout: HF's ``[out, in]`` transposed): ``[..., cdiv(in, bi), cdiv(out,
-    bo)]``. The routed experts' ``gate_up_proj`` holds gate and up side by side, each with
-    its own grid: ``2 x cdiv(I, bo)`` columns."""
+    """The ``weight_scale_inv`` grid of an FP8 weight of ``shape`` in the layout the runtime
+    keeps it in: a projection's ``weight [..., out, in]`` (HF's) has ``[..., cdiv(out, bo),
+    cdiv(in, bi)]``; a routed experts' stack ``[..., in, out]`` (HF's transposed) ``[...,
+    cdiv(in, bi), cdiv(out, bo)]``, its ``gate_up_proj`` holding gate and up side by side,
+    each with its own grid: ``2 x cdiv(I, bo)`` columns."""
     bo, bi = quantization.weight_block_size
+    if path[-1] == "weight":
+        *lead, n_out, n_in = shape
+        return (*lead, math.ceil(n_out / bo), math.ceil(n_in / bi))
     *lead, n_in, n_out = shape
     halves = 2 if tuple(path[-2:]) == ("experts", "gate_up_proj") else 1
     return (*lead, math.ceil(n_in / bi), halves * math.ceil(n_out // halves / bo))
@@ -168,7 +172,8 @@ def parameter_tensors(
 ) -> list[Tensor]:
     """The model's parameters from ``jax.eval_shape`` of ``DeepseekModel(cfg)`` in ``dtype``;
     with ``quantization``, each ``is_fp8_weight`` parameter as float8_e4m3fn followed by its
-    float32 scales (path ``..., <name>_scale_inv``)."""
+    float32 scales (path ``..., <name>_scale_inv``), as the runtime keeps them: a
+    projection's ``kernel [in, out]`` as its HF ``weight [out, in]`` (``layers.Linear``)."""
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     state = nnx.split(abstract)[1]
     tensors = []
@@ -176,9 +181,12 @@ def parameter_tensors(
         if quantization is None or not is_fp8_weight(path):
             tensors.append(Tensor(path, leaf.shape, np.dtype(leaf.dtype), path))
             continue
-        tensors.append(Tensor(path, leaf.shape, np.dtype(jnp.float8_e4m3fn), path))
+        shape = leaf.shape
+        if path[-1] == "kernel":
+            path, shape = (*path[:-1], "weight"), (*shape[:-2], *shape[:-3:-1])
+        tensors.append(Tensor(path, shape, np.dtype(jnp.float8_e4m3fn), path))
         scale_path = (*path[:-1], path[-1] + "_scale_inv")
-        scale = fp8_scale_shape(path, leaf.shape, quantization)
+        scale = fp8_scale_shape(path, shape, quantization)
         tensors.append(Tensor(scale_path, scale, np.dtype(np.float32), path))
     return tensors
 
@@ -212,8 +220,13 @@ def weight_bytes(
             weight = shapes[tensor.spec_path]
             shard = spec.shard_shape(weight)
             bo, bi = quantization.weight_block_size
-            # [..., in, out]: a split axis must split on block edges.
-            for size, whole, block in ((shard[-2], weight[-2], bi), (shard[-1], weight[-1], bo)):
+            # A split axis must split on block edges: [..., out, in] for a projection's
+            # weight, [..., in, out] for the routed experts'.
+            rows, columns = (bo, bi) if tensor.spec_path[-1] == "weight" else (bi, bo)
+            for size, whole, block in (
+                (shard[-2], weight[-2], rows),
+                (shard[-1], weight[-1], columns),
+            ):
                 if size != whole and size % block:
                     raise ValueError(
                         f"{'/'.join(tensor.spec_path)} {list(weight)}: a device's shard "

@@ -87,10 +87,23 @@ _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I]
     (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H]
 )
+# An FP8 projection holds HF's ``weight [out, in]`` (``layers.Linear``) instead of its
+# ``kernel [in, out]``: the same split, on the swapped axes.
+_FP8_PROJECTION_RULES = tuple(
+    ((*path[:-1], "weight"), spec[::-1])
+    for path, spec in _WEIGHT_RULES
+    if path[-1] == "kernel" and path[-2] != "lm_head"
+)
 # An FP8 weight's block scales (``<name>_scale_inv``, its grid in the weight's layout) split
 # as the weight does.
-_RULES = _WEIGHT_RULES + tuple(
-    ((*path[:-1], path[-1] + "_scale_inv"), spec) for path, spec in _WEIGHT_RULES
+_RULES = (
+    _WEIGHT_RULES
+    + _FP8_PROJECTION_RULES
+    + tuple(
+        ((*path[:-1], path[-1] + "_scale_inv"), spec)
+        for path, spec in _FP8_PROJECTION_RULES + _WEIGHT_RULES
+        if path[-1] == "weight" or path[0] == "experts"
+    )
 )
 
 
@@ -367,7 +380,7 @@ def _by_experts(grouped_matmul, mesh: Mesh):
 
 
 def _by_weight_split(fp8_matmul, mesh: Mesh):
-    """A kernel set's ``fp8_matmul(x [M, K], weight [K, N] or a stack [L, K, N], scale_inv,
+    """A kernel set's ``fp8_matmul(x [M, K], weight [N, K] or a stack [L, N, K], scale_inv,
     *, blocks, layer, tensor_split)`` run on each rank's part of a weight split as
     ``tensor_split`` says (``layers.Linear``; the rules above place it so), under
     ``shard_map``: the Pallas kernel is opaque to the partitioner, which would otherwise
@@ -387,7 +400,7 @@ def _by_weight_split(fp8_matmul, mesh: Mesh):
         if tensor_split is None or mesh.shape[TENSOR_AXIS] == 1:  # (a psum over 1 is kept)
             return fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
         split = _COLUMN_SPLIT if tensor_split == layers.COLUMNS else _ROW_SPLIT
-        weights = P(*(None,) * (weight.ndim - 2), *split)  # as the rules place it
+        weights = P(*(None,) * (weight.ndim - 2), *split[::-1])  # [N, K], as the rules place it
         if tensor_split == layers.COLUMNS:
             rows, out = P(), P(None, TENSOR_AXIS)
         else:

@@ -1,7 +1,10 @@
 """The FP8 weight-only matmuls (``fp8_matmul``, and ``grouped_matmul`` with an FP8 rhs: the
 Pallas kernels interpreted, and their references) against float64 NumPy: the weight
 dequantized in float64 from its fp8 values and block scales (``cdiv`` grids with partial
-edge blocks, the fused gate_up's two grids), then multiplied.
+edge blocks, the fused gate_up's two grids), then multiplied. ``fp8_matmul`` takes the
+weight and its scale grid in HF's layout, ``[N, K]`` and ``[N-grid, K-grid]``: the oracle
+dequantizes them from the ``[K, N]`` arrays they were transposed from, as the grouped
+matmul's experts are given.
 
 Tolerances (max abs error over max |oracle|): float32 activations 1e-6 (float32 products of
 exactly dequantized tiles; measured <= 6e-7 over seeds 0-2), bfloat16 7e-3 (bf16 rounding
@@ -58,6 +61,21 @@ def _fp8_weight(rng, shape, blocks: fp8_blocks.Fp8Blocks):
     grid = (*lead, *blocks.scale_shape(depth, width))
     scale = rng.uniform(0.5, 2.0, grid) / (448 * np.sqrt(depth))
     return jnp.asarray(weight), jnp.asarray(scale, jnp.float32)
+
+
+def _fp8_weight_nk(rng, shape, blocks: fp8_blocks.Fp8Blocks):
+    """``_fp8_weight``'s ``[..., K, N]`` values and scales for ``shape [..., K, N]``,
+    transposed into HF's layout: ``weight [..., N, K]``, ``scale_inv [..., N-grid,
+    K-grid]``."""
+    weight, scale = _fp8_weight(rng, shape, blocks)
+    return jnp.swapaxes(weight, -1, -2), jnp.swapaxes(scale, -1, -2)
+
+
+def _oracle_nk(x, weight, scale_inv, blocks: fp8_blocks.Fp8Blocks) -> np.ndarray:
+    """float64 ``x [M, K] @ W^T`` for ``weight [N, K]`` and its ``[N-grid, K-grid]`` scales
+    (``_fp8_weight_nk``'s): dequantized as the ``[K, N]`` arrays they were made from."""
+    dense = _numpy_dequantize(np.asarray(weight).T, np.asarray(scale_inv).T, blocks)
+    return np.asarray(x, np.float64) @ dense
 
 
 def _grouped_oracle(lhs, weight, scale, sizes, blocks) -> np.ndarray:
@@ -119,6 +137,15 @@ CASES = {
         (16, 32, 1),
         fm.Fp8MatmulConfig(32, 16, 32, 1, 4, 2, scale_product=True, swap_ab=True),
     ),
+    # The weight tile as the MMA's left operand, dequantized whole (a scale per element of
+    # a fused weight's two grids).
+    "swap-ab-dequantized": (
+        9,
+        40,
+        48,
+        (16, 8, 2),
+        fm.Fp8MatmulConfig(16, 16, 16, 2, 4, 2, swap_ab=True),
+    ),
 }
 
 
@@ -128,33 +155,35 @@ CASES = {
 def test_fp8_matmul(case, impl, dtype, rng):
     m, k, n, (bo, bi, parts), config = CASES[case]
     blocks = fp8_blocks.Fp8Blocks(bo, bi, parts)
-    weight, scale = _fp8_weight(rng, (k, n), blocks)
+    weight, scale = _fp8_weight_nk(rng, (k, n), blocks)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     kwargs = {"config": config} if config else {}
     got = MATMULS[impl](x, weight, scale, blocks=blocks, **kwargs)
     assert got.shape == (m, n) and got.dtype == dtype
-    want = np.asarray(x, np.float64) @ _numpy_dequantize(weight, scale, blocks)
-    _check(got, want, dtype)
+    _check(got, _oracle_nk(x, weight, scale, blocks), dtype)
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "static"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", list(MATMULS))
-def test_fp8_matmul_reads_a_stacked_layer(impl, dtype, rng):
-    """A stack of layers' weights ``[L, K, N]`` with ``layer`` (traced, as under a scan over
-    layers): that layer's product; the other layers' weights and scales are NaN, so a read
-    of them would show."""
+def test_fp8_matmul_reads_a_stacked_layer(impl, dtype, traced, rng):
+    """A stack of layers' weights ``[L, N, K]`` with ``layer`` (traced, as under a scan over
+    layers, or a Python int): that layer's product; the other layers' weights and scales are
+    NaN, so a read of them would show."""
     m, k, n, layers = 5, 100, 72, 3
     blocks = fp8_blocks.Fp8Blocks(16, 32)
-    weight, scale = _fp8_weight(rng, (layers, k, n), blocks)
+    weight, scale = _fp8_weight_nk(rng, (layers, k, n), blocks)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    run = jax.jit(lambda x, w, s, layer: MATMULS[impl](x, w, s, blocks=blocks, layer=layer))
+    if traced:
+        run = jax.jit(lambda x, w, s, layer: MATMULS[impl](x, w, s, blocks=blocks, layer=layer))
+    else:
+        run = functools.partial(MATMULS[impl], blocks=blocks)
     for layer in (0, layers - 1):
         others = np.arange(layers) != layer
         poisoned = weight.at[others].set(jnp.nan), scale.at[others].set(jnp.nan)
-        got = run(x, *poisoned, jnp.int32(layer))
+        got = run(x, *poisoned, layer=jnp.int32(layer) if traced else layer)
         assert got.shape == (m, n) and got.dtype == dtype
-        want = np.asarray(x, np.float64) @ _numpy_dequantize(weight[layer], scale[layer], blocks)
-        _check(got, want, dtype)
+        _check(got, _oracle_nk(x, weight[layer], scale[layer], blocks), dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -238,7 +267,7 @@ def test_fastest_picks_by_rows(monkeypatch):
         fm.reference, "dequantized_dot", lambda *a, **k: calls.append("dequantized")
     )
     blocks = fp8_blocks.Fp8Blocks(16, 16)
-    weight, scale = jnp.zeros((32, 16), jnp.float8_e4m3fn), jnp.ones((2, 1), jnp.float32)
+    weight, scale = jnp.zeros((16, 32), jnp.float8_e4m3fn), jnp.ones((1, 2), jnp.float32)
     for rows in (1, fm.PALLAS_MAX_ROWS, fm.PALLAS_MAX_ROWS + 1):
         fm.fastest(jnp.zeros((rows, 32), jnp.float32), weight, scale, blocks=blocks)
     config = fm.Fp8MatmulConfig()
@@ -255,7 +284,7 @@ def test_fastest_copies_out_a_layer_only_where_triton_would_wrap(monkeypatch):
 
     def kernel(x, w, s, *, layer, **kwargs):
         given.append((w.ndim, layer is None))
-        return jnp.zeros((x.shape[0], w.shape[-1]), x.dtype)
+        return jnp.zeros((x.shape[0], w.shape[-2]), x.dtype)
 
     monkeypatch.setattr(fm, "fp8_matmul", kernel)
     blocks = fp8_blocks.Fp8Blocks(128, 128)
@@ -295,24 +324,31 @@ def test_tuned_configs_are_used(monkeypatch):
 
 
 def test_fp8_inputs_refused():
+    """One-line errors naming the argument, shapes as given: the ``[N, K]`` weight's
+    ``[N-grid, K-grid]`` scales expected, a ``[K, N]`` weight refused."""
     blocks = fp8_blocks.Fp8Blocks(16, 16)
     x = jnp.zeros((4, 32), jnp.float32)
-    weight = jnp.zeros((32, 48), jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"weight scale_inv \[2, 2\] does not fit"):
-        fm.fp8_matmul(x, weight, jnp.ones((2, 2), jnp.float32), blocks=blocks)
+    weight, scales = jnp.zeros((48, 32), jnp.float8_e4m3fn), jnp.ones((3, 2), jnp.float32)
+    fit = r"weight scale_inv \[2, 3\] does not fit \[48, 32\] with .* \(expected \[3, 2\]\)"
+    with pytest.raises(ValueError, match=fit):
+        fm.fp8_matmul(x, weight, scales.T, blocks=blocks)
     with pytest.raises(ValueError, match="float8_e4m3fn with float32 scales"):
-        fm.fp8_matmul(x, weight.astype(jnp.float32), jnp.ones((2, 3), jnp.float32), blocks=blocks)
-    with pytest.raises(ValueError, match=r"weight \(1, 32, 48\) \[K, N\]"):
-        fm.fp8_matmul(x, weight[None], jnp.ones((1, 2, 3), jnp.float32), blocks=blocks)
-    with pytest.raises(ValueError, match=r"weight \(32, 48\) \[L, K, N\] \(a stack"):
-        fm.fp8_matmul(x, weight, jnp.ones((2, 3), jnp.float32), blocks=blocks, layer=0)
-    stack, stack_scales = weight[None], jnp.ones((1, 2, 3), jnp.float32)
+        fm.fp8_matmul(x, weight.astype(jnp.float32), scales, blocks=blocks)
+    with pytest.raises(ValueError, match=r"weight \[48, 32\]: N is not 5 equal parts"):
+        fm.fp8_matmul(x, weight, scales, blocks=fp8_blocks.Fp8Blocks(16, 16, parts=5))
+    with pytest.raises(ValueError, match=r"weight \(32, 48\) \[N, K\]"):  # [K, N]
+        fm.reference.fp8_matmul(x, weight.T, scales.T, blocks=blocks)
+    with pytest.raises(ValueError, match=r"weight \(1, 48, 32\) \[N, K\]"):
+        fm.fp8_matmul(x, weight[None], scales[None], blocks=blocks)
+    with pytest.raises(ValueError, match=r"weight \(48, 32\) \[L, N, K\] \(a stack"):
+        fm.fp8_matmul(x, weight, scales, blocks=blocks, layer=0)
+    stack, stack_scales = weight[None], scales[None]
     with pytest.raises(ValueError, match=r"layer 1 is not in \[0, 1\)"):
         fm.reference.fp8_matmul(x, stack, stack_scales, blocks=blocks, layer=1)
     with pytest.raises(ValueError, match="layer must be an integer scalar"):
         fm.fp8_matmul(x, stack, stack_scales, blocks=blocks, layer=jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="rhs_scale_inv and blocks go together"):
-        gm.grouped_matmul(x, weight[None], jnp.asarray([4], jnp.int32), blocks=blocks)
+        gm.grouped_matmul(x, weight.T[None], jnp.asarray([4], jnp.int32), blocks=blocks)
 
 
 @triton_lowering_without_gpu
@@ -321,14 +357,19 @@ def test_kernels_lower_for_cuda():
     (interpret mode runs their ops as jnp, so only a lowering meets Pallas' Triton rules
     there); Triton's compile needs the GPU."""
     blocks = fp8_blocks.Fp8Blocks(128, 128)
-    weight = jax.ShapeDtypeStruct((512, 256), fp8_blocks.FP8)
-    scales = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+    weight = jax.ShapeDtypeStruct((256, 512), fp8_blocks.FP8)  # [N, K]
+    scales = jax.ShapeDtypeStruct((2, 4), jnp.float32)
     dense = functools.partial(
         fm.fp8_matmul,
         blocks=blocks,
         config=fm.Fp8MatmulConfig(16, 64, 128, 2, 4, 4),
         interpret=False,
     )
+    variants = [
+        dict(scale_product=True, swap_ab=True),
+        dict(swap_ab=True),
+        dict(float16_mma=True),
+    ]
     grouped = functools.partial(
         gm.grouped_matmul,
         blocks=blocks,
@@ -336,12 +377,21 @@ def test_kernels_lower_for_cuda():
         interpret=False,
     )
     x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
+    stack = jax.ShapeDtypeStruct((3, 256, 512), fp8_blocks.FP8)
+    stack_scales = jax.ShapeDtypeStruct((3, 2, 4), jnp.float32)
     experts = jax.ShapeDtypeStruct((3, 512, 256), fp8_blocks.FP8)
     expert_scales = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     for f, args in (
         (dense, (x, weight, scales)),
-        (lambda x, w, s, i: dense(x, w, s, layer=i), (x, experts, expert_scales, layer)),
+        *(
+            (
+                functools.partial(dense, config=fm.Fp8MatmulConfig(64, 64, 64, 1, 4, 3, **variant)),
+                (x, weight, scales),
+            )
+            for variant in variants
+        ),
+        (lambda x, w, s, i: dense(x, w, s, layer=i), (x, stack, stack_scales, layer)),
         (
             lambda x, w, g, s: grouped(x, w, g, rhs_scale_inv=s),
             (x, experts, jax.ShapeDtypeStruct((3,), jnp.int32), expert_scales),
@@ -358,16 +408,15 @@ def test_fp8_matmul_float16_mma(splits, rng):
     keeps its exact float32 MMA (the float32 tolerance)."""
     m, k, n = 21, 100, 72
     blocks = fp8_blocks.Fp8Blocks(16, 32)
-    weight, scale = _fp8_weight(rng, (k, n), blocks)
-    dense = _numpy_dequantize(weight, scale, blocks)
+    weight, scale = _fp8_weight_nk(rng, (k, n), blocks)
     config = fm.Fp8MatmulConfig(16, 32, 16, splits, 4, 2, float16_mma=True)
     x = _spread_rows(rng, m, k)
     got = fm.fp8_matmul(x, weight, scale, blocks=blocks, config=config)
     assert got.dtype == jnp.bfloat16
-    assert _row_errors(got, np.asarray(x, np.float64) @ dense).max() < TOL[jnp.bfloat16]
+    assert _row_errors(got, _oracle_nk(x, weight, scale, blocks)).max() < TOL[jnp.bfloat16]
     x32 = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     got = fm.fp8_matmul(x32, weight, scale, blocks=blocks, config=config)
-    _check(got, np.asarray(x32, np.float64) @ dense, jnp.float32)
+    _check(got, _oracle_nk(x32, weight, scale, blocks), jnp.float32)
 
 
 def test_float16_rows_scale_exactly_into_range(rng):
@@ -418,8 +467,8 @@ def test_triton_kernels_refuse_wrapping_offsets(shape, refused):
             scales,
         )
 
-    dense_w = jax.ShapeDtypeStruct((e * k, n), fp8_blocks.FP8)
-    dense_s = jax.ShapeDtypeStruct(blocks.scale_shape(e * k, n), jnp.float32)
+    dense_w = jax.ShapeDtypeStruct((n, e * k), fp8_blocks.FP8)
+    dense_s = jax.ShapeDtypeStruct(blocks.scale_shape_nk(n, e * k), jnp.float32)
     x = jax.ShapeDtypeStruct((16, e * k), jnp.bfloat16)
 
     def dense(interpret):

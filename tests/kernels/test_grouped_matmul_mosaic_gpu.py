@@ -21,7 +21,6 @@ import pytest
 from conftest import mosaic_gpu_runs
 
 from mla_jax.kernels import fp8_blocks
-from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.kernels.grouped_matmul import pallas_mosaic_gpu as mosaic
 
@@ -203,29 +202,6 @@ def test_hopper_set_runs_fp8_experts_of_a_prefill_on_it(rng, monkeypatch):
         got = kernels.MOSAIC_GPU.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), **kwargs)
         _check(got, lhs, exact, sizes)
         assert calls == runs
-
-
-@mosaic_gpu_runs
-def test_fp8_projection_as_one_group(rng, monkeypatch):
-    """``fp8_matmul.prefill_on_mosaic_gpu``: a projection of prefill's rows on the grouped
-    kernel as one group, a stack's traced layer its group offset (the other layers NaN)."""
-    calls = []
-    kernel = mosaic.grouped_matmul
-    monkeypatch.setattr(
-        mosaic, "grouped_matmul", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
-    )
-    blocks = Blocks(128, 128)
-    rhs, scales, exact = _weights(rng, 1, 128, 256, blocks)
-    weights = jnp.full((3, 128, 256), jnp.nan, FP8).at[1].set(rhs[0])
-    stacked_scales = jnp.full((3, *scales.shape[1:]), jnp.nan).at[1].set(scales[0])
-    x = jnp.asarray(rng.standard_normal((fm.PALLAS_MAX_ROWS + 44, 128)), BF16)
-    run = jax.jit(
-        lambda x, layer: fm.prefill_on_mosaic_gpu(
-            x, weights, stacked_scales, blocks=blocks, layer=layer
-        )
-    )
-    _check(run(x, jnp.int32(1)), x, exact, [x.shape[0]])
-    assert calls == [1]
 
 
 def test_refuses_what_it_does_not_take(rng):

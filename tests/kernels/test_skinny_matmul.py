@@ -267,37 +267,6 @@ def test_unsupported_names_the_shape():
     )
 
 
-@mosaic_gpu_runs
-def test_hopper_set_runs_deep_fp8_projections_at_decode_on_it(rng, monkeypatch, caplog):
-    """The Hopper set's FP8 matmul (``fp8_matmul.decode_on_mosaic_gpu``, its depth threshold
-    lowered to 256 here): a stack's traced layer at decode's rows on the skinny kernel (the
-    other layers NaN); a shallower weight, and more rows than the kernel takes, on the Triton
-    kernel, which rounds the dequantized weight into bf16 (allowed for in its bound)."""
-    from mla_jax import kernels
-    from mla_jax.kernels import fp8_matmul as fm
-
-    monkeypatch.setattr(fm, "SKINNY_MIN_K", 256)
-    calls = []
-    kernel = skinny.skinny_matmul
-    monkeypatch.setattr(
-        skinny, "skinny_matmul", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
-    )
-    blocks = Blocks(128, 128)
-    run = jax.jit(lambda x, w, s, i: kernels.MOSAIC_GPU.fp8_matmul(x, w, s, blocks=blocks, layer=i))
-    for m, k, skinny_runs in (
-        (16, 256, [1]),
-        (16, 128, []),
-        (fm.skinny_matmul.MAX_ROWS + 8, 256, []),
-    ):
-        calls.clear()
-        x, weight, scale_inv, layer, exact = _fp8_case(rng, m, k, 128, blocks, layers=2)
-        with caplog.at_level("WARNING", logger="mla_jax.kernels.fp8_matmul"):
-            got = run(x, weight, scale_inv, jnp.int32(layer))
-        _check(got, x, exact, None, rounded_weight=0.0 if skinny_runs else 2.0**-8)
-        assert calls == skinny_runs, (m, k)
-    assert "the Mosaic GPU skinny matmul for [256, 128]" in caplog.text
-
-
 @pytest.mark.skipif(
     tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
     reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",

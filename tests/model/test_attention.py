@@ -351,7 +351,7 @@ def test_a_prompt_in_chunks_over_a_rounding_cache_equals_it_whole(rng, dtype):
 
 
 def test_fp8_fused_qkv_a_needs_whole_blocks_of_the_query_lora():
-    """The fused q_a / kv_a kernel's FP8 block grid is its parts' side by side: a query LoRA
+    """The fused q_a / kv_a weight's FP8 block grid is its parts' stacked: a query LoRA
     rank that is not whole output blocks is refused when the module is built, naming it;
     whole blocks build, with the parts' grids' columns."""
     cfg = small_mla()  # q_lora_rank 24
@@ -359,5 +359,5 @@ def test_fp8_fused_qkv_a_needs_whole_blocks_of_the_query_lora():
         MLAAttention(cfg, rngs=nnx.Rngs(0), fp8_blocks=(16, 8))
     attn = MLAAttention(cfg, rngs=nnx.Rngs(0), fp8_blocks=(8, 8))
     width = cfg.q_lora_rank + cfg.cache_width  # 24 + (32 + 8)
-    assert attn.fused_qkv_a_proj.kernel.shape == (cfg.hidden_size, width)
-    assert attn.fused_qkv_a_proj.kernel_scale_inv.shape == (6, 24 // 8 + 40 // 8)
+    assert attn.fused_qkv_a_proj.weight.shape == (width, cfg.hidden_size)  # HF's [out, in]
+    assert attn.fused_qkv_a_proj.weight_scale_inv.shape == (24 // 8 + 40 // 8, 6)

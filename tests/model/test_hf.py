@@ -143,7 +143,10 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(
     cfg, model = load_model(path, fp8_weights=fp8_weights)
     attention = model.layers[0].self_attn
     kept = fp8_weights == "keep"
-    assert (attention.fused_qkv_a_proj.kernel.dtype == jnp.float8_e4m3fn) == kept
+    if kept:
+        assert attention.fused_qkv_a_proj.weight.dtype == jnp.float8_e4m3fn
+    else:
+        assert attention.fused_qkv_a_proj.kernel.dtype == jnp.float32
     for part in (attention.W_UK, attention.W_UV):  # kv_b_proj, dequantized at load either way
         assert part.dtype == jnp.float32
     assert (model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.float8_e4m3fn) == kept
@@ -174,7 +177,7 @@ def _prefill(cfg, model, prompt: list[int], impl):
 
 def test_kept_fp8_weights_reach_the_matmul_whole(fp8_checkpoint, rng):
     """The scans over the runs of layers pass the FP8 projections' stacked weights whole:
-    every ``fp8_matmul`` call gets a run's ``[L, K, N]`` stack and its layer's index (a
+    every ``fp8_matmul`` call gets a run's ``[L, N, K]`` stack and its layer's index (a
     layer sliced out would be copied before the GPU kernel could read it, every step), and
     its projection's ``tensor_split`` (``test_linear_splits_match_the_rules`` checks each
     against the placement rules)."""

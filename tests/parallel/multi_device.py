@@ -253,12 +253,12 @@ def _fp8_splits(tensor_parallel: int, seed: int) -> dict[str, dict]:
     for name, split in ((COLUMNS, COLUMNS), (ROWS, ROWS), ("unsplit", None)):
         # The split axis in whole blocks on every rank, the other with a partial edge block.
         depth, width = (40, 32 * tensor_parallel) if name != ROWS else (32 * tensor_parallel, 40)
-        weight = rng.standard_normal((3, depth, width)).astype(FP8)
-        scales = 2.0 ** rng.integers(-3, 3, (3, -(-depth // 16), -(-width // 16)))
+        weight = rng.standard_normal((3, width, depth)).astype(FP8)  # [L, N, K], HF's layout
+        scales = 2.0 ** rng.integers(-3, 3, (3, -(-width // 16), -(-depth // 16)))
         weight[[0, 2]], scales[[0, 2]] = np.nan, np.nan  # the other layers: never read
         x = rng.standard_normal((rows, depth)).astype(np.float32)
         spec = sharding.partition_spec(
-            ["mlp", "down_proj" if split == ROWS else "gate_proj", "kernel"], 3
+            ["mlp", "down_proj" if split == ROWS else "gate_proj", "weight"], 3
         )
         placed = jax.sharding.NamedSharding(mesh, spec)
         operands = (
@@ -277,9 +277,9 @@ def _fp8_splits(tensor_parallel: int, seed: int) -> dict[str, dict]:
         got = np.asarray(compiled(*operands), np.float64)
         dequantized = (
             weight[layer].astype(np.float64)
-            * np.repeat(np.repeat(scales[layer], 16, axis=0), 16, axis=1)[:depth, :width]
+            * np.repeat(np.repeat(scales[layer], 16, axis=0), 16, axis=1)[:width, :depth]
         )
-        want = x.astype(np.float64) @ dequantized
+        want = x.astype(np.float64) @ dequantized.T
         eager = np.asarray(call(*operands[:3], layer), np.float64)  # the layer an int
         results[name] = {
             "error": float(np.linalg.norm(got - want) / np.linalg.norm(want)),

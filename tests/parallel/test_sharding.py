@@ -507,7 +507,7 @@ def test_fp8_weights_kept_move_no_weight_in_a_step(multi_device):
 @pytest.mark.parametrize("q_lora_rank", [1536, None])
 def test_linear_splits_match_the_rules(q_lora_rank):
     """Each projection's ``tensor_split`` (how ``sharded_kernels`` splits its FP8 matmul) is
-    the split the placement rules give its kernel and its FP8 scales, on DeepSeek-V3's
+    the split the placement rules give its weight and its FP8 scales, on DeepSeek-V3's
     config.json with FP8 weights (and without q LoRA: ``q_proj``)."""
     from flax import nnx
 
@@ -527,11 +527,13 @@ def test_linear_splits_match_the_rules(q_lora_rank):
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, layers.Linear):
             continue
-        names = ("kernel", "kernel_scale_inv") if node.blocks is not None else ("kernel",)
+        # An FP8 weight is HF's [out, in], the kernel [in, out]: the split axes swap.
+        fp8 = node.blocks is not None
+        names = ("weight", "weight_scale_inv") if fp8 else ("kernel",)
         for name in names:
             ndim = getattr(node, name).ndim
             spec = tuple(sharding.partition_spec([*map(str, path), name], ndim))
-            axes = split_axes[node.tensor_split]
+            axes = split_axes[node.tensor_split][:: -1 if fp8 else 1]
             want = (None,) * (ndim - len(axes)) + axes if axes else ()
             assert spec == want, (path, name)
         seen[str(path[-1])] = node.tensor_split
@@ -572,8 +574,8 @@ def test_fp8_matmul_wrapper_on_one_device_hands_over_the_stack_in_place():
     wrapped = sharding.sharded_kernels(kernels.REFERENCE._replace(fp8_matmul=fp8_matmul), mesh)
     blocks = fp8_blocks.Fp8Blocks(16, 16)
     rng = np.random.default_rng([_BASE_SEED, 47])
-    stack = jnp.asarray(rng.standard_normal((3, 32, 48)), fp8_blocks.FP8)
-    scales = jnp.asarray(2.0 ** rng.integers(-2, 3, (3, 2, 3)), jnp.float32)
+    stack = jnp.asarray(rng.standard_normal((3, 48, 32)), fp8_blocks.FP8)  # [L, N, K]
+    scales = jnp.asarray(2.0 ** rng.integers(-2, 3, (3, 3, 2)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 32)), jnp.float32)
     want = kernels.REFERENCE.fp8_matmul(x, stack[2], scales[2], blocks=blocks)
     for split in (None, "columns", "rows"):
@@ -587,8 +589,8 @@ def test_fp8_matmul_wrapper_on_one_device_hands_over_the_stack_in_place():
         np.testing.assert_allclose(jax.jit(call)(jnp.int32(2)), want, rtol=1e-6)
         np.testing.assert_allclose(call(2), want, rtol=1e-6)
         assert given == [
-            ((3, 32, 48), (3, 2, 3), False, None),
-            ((3, 32, 48), (3, 2, 3), True, None),
+            ((3, 48, 32), (3, 3, 2), False, None),
+            ((3, 48, 32), (3, 3, 2), True, None),
         ]
     with pytest.raises(ValueError, match="tensor_split 'heads' \\(None, 'columns' or 'rows'\\)"):
         wrapped.fp8_matmul(x, stack, scales, blocks=blocks, layer=2, tensor_split="heads")

@@ -169,8 +169,8 @@ def test_fp8_weights_serving_tables_on_the_tiny_model(tmp_path):
 def test_fp8_weights_model_keeps_its_projections_fp8():
     model = bench_serve.new_model(bench_serve.TINY, fp8_weights=True)
     attention = model.layers[0].self_attn
-    assert attention.fused_qkv_a_proj.kernel.dtype == jnp.float8_e4m3fn
-    assert attention.fused_qkv_a_proj.kernel_scale_inv.dtype == jnp.float32
+    assert attention.fused_qkv_a_proj.weight.dtype == jnp.float8_e4m3fn
+    assert attention.fused_qkv_a_proj.weight_scale_inv.dtype == jnp.float32
     plain = bench_serve.new_model(bench_serve.TINY, fp8_weights=False)
     assert plain.layers[0].self_attn.fused_qkv_a_proj.kernel.dtype == jnp.bfloat16
 

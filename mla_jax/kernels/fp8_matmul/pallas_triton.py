@@ -1,13 +1,15 @@
-"""FP8 weight-only matmul (Pallas, Triton lowering): ``y = x @ dequantize(W)`` for a weight
-``W [K, N]`` kept in float8_e4m3fn with its float32 block scales (``fp8_blocks``), as
-DeepSeek's checkpoints store the decoder's projections.
+"""FP8 weight-only matmul (Pallas, Triton lowering): ``y = x @ dequantize(W)^T`` for a weight
+``W [N, K]`` kept in float8_e4m3fn with its float32 block scales ``[N-grid, K-grid]``
+(``fp8_blocks``), DeepSeek's projections as its checkpoints store them (HF's ``weight`` and
+``weight_scale_inv``) and the model holds them: K-major, as Hopper's FP8 tensor cores read
+both operands.
 
 Each program computes ``block_m`` rows x ``block_n`` columns of the output over one range of
-K steps: it loads each weight tile as fp8 (half a bf16 tile's bytes), gathers the tile's
-scales, dequantizes it in registers into x's dtype and runs the MMA in that dtype
-(``matmul_steps``); with ``float16_mma`` it converts the tile into float16 instead, x scaled
-per row into float16's range, and the scales multiply each step's product. The weight
-crosses HBM once, in fp8, and no dequantized copy exists.
+K steps: it loads each weight tile ``[block_n, block_k]`` as fp8 (half a bf16 tile's bytes),
+gathers the tile's scales, dequantizes it in registers into x's dtype and runs the MMA in that
+dtype, contracting both operands' K axes (``matmul_steps``); with ``float16_mma`` it converts
+the tile into float16 instead, x scaled per row into float16's range, and the scales multiply
+each step's product. The weight crosses HBM once, in fp8, and no dequantized copy exists.
 
 At decode a step's few rows make the matmul a stream of the weight; a projection of ``N``
 columns has only ``N / block_n`` column tiles, too few to keep every multiprocessor reading,
@@ -67,11 +69,12 @@ class Fp8MatmulConfig:
     def for_shape(
         cls, rows: int, depth: int, width: int, num_sms: int = DEFAULT_NUM_SMS
     ) -> Fp8MatmulConfig:
-        """Launch parameters for ``[rows, depth] @ [depth, width]`` (static shapes, so it works
-        under jit). Up to 64 rows (decode) stream the weight: one row tile, 64 columns and
-        128 deep per step, K split until there are about two programs per multiprocessor
-        (each range at least 4 steps), unless ``tuned.FP8_MATMUL`` holds the measured best for
-        the shape. More rows (prefill) run the defaults."""
+        """Launch parameters for ``x [rows, K = depth]`` times a weight of ``N = width``
+        columns (static shapes, so it works under jit). Up to 64 rows (decode) stream the
+        weight: one row tile, 64 columns and 128 deep per step, K split until there are about
+        two programs per multiprocessor (each range at least 4 steps), unless
+        ``tuned.FP8_MATMUL`` holds the measured best for the shape (keyed
+        ``"{block_m}x{K}x{N}"``). More rows (prefill) run the defaults."""
         if rows > 64:
             return cls()
         block_m = online_softmax.tile_width(rows)
@@ -95,8 +98,8 @@ def check(
     """The kernel's (and its reference's) input checks: ValueError in one line naming the
     argument."""
     want_ndim = 2 if layer is None else 3
-    if x.ndim != 2 or weight.ndim != want_ndim or x.shape[1] != weight.shape[-2]:
-        form = "[K, N]" if layer is None else "[L, K, N] (a stack, with layer)"
+    if x.ndim != 2 or weight.ndim != want_ndim or x.shape[1] != weight.shape[-1]:
+        form = "[N, K]" if layer is None else "[L, N, K] (a stack, with layer)"
         raise ValueError(f"x {x.shape} must be [M, K] and weight {weight.shape} {form}")
     if layer is not None:
         matmul_steps.check_layer(layer, weight.shape[0])
@@ -104,7 +107,7 @@ def check(
         raise ValueError(f"x must be bfloat16 or float32, got {x.dtype}")
     if not isinstance(blocks, fp8_blocks.Fp8Blocks):
         raise ValueError(f"blocks must be an Fp8Blocks, got {blocks!r}")
-    blocks.check(weight, scale_inv, "weight")
+    blocks.check_nk(weight, scale_inv, "weight")
 
 
 def _fp8_matmul_kernel(
@@ -125,7 +128,7 @@ def _fp8_matmul_kernel(
     swap_ab: bool,
 ):
     """``block_m`` rows x ``block_n`` columns over K steps ``[split x steps_per_split, ...)``
-    of the weight ``weight_ref [L, K, N]`` at ``layer_ref [1]`` (``rest``: x's
+    of the weight ``weight_ref [L, N, K]`` at ``layer_ref [1]`` (``rest``: x's
     ``float16_rows`` factors where x is float16, then the output); ``out_ref [k_splits,
     rows, N]`` float32 partials, or ``[rows, N]`` in the model's dtype."""
     row_scale_ref, out_ref = rest if len(rest) == 2 else (None, *rest)
@@ -151,6 +154,7 @@ def _fp8_matmul_kernel(
         blocks=blocks,
         scale_product=scale_product,
         swap_ab=swap_ab,
+        rhs_nk=True,
     )
     if row_scale_ref is not None:
         acc = matmul_steps.unscale_rows(acc, row_scale_ref, r0, row_ok)
@@ -173,15 +177,15 @@ def fp8_matmul(
     config: Fp8MatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """``x @ dequantize(weight, scale_inv)``, each weight tile dequantized in the kernel.
+    """``x @ dequantize(weight, scale_inv)^T``, each weight tile dequantized in the kernel.
 
     Args:
       x: ``[M, K]`` bfloat16 or float32 (the MMA runs in x's dtype, or in float16 with
         ``config.float16_mma``).
-      weight: ``[K, N]`` float8_e4m3fn (HF's ``[N, K]`` transposed); with ``layer``, a
-        stack of layers' weights ``[L, K, N]``.
-      scale_inv: ``blocks.scale_shape(K, N)`` float32 block scales (HF's ``weight_scale_inv``
-        transposed), ``[L, ...]`` for a stack. blocks: their block sizes (static).
+      weight: ``[N, K]`` float8_e4m3fn (HF's layout); with ``layer``, a stack of layers'
+        weights ``[L, N, K]``.
+      scale_inv: ``blocks.scale_shape_nk(N, K)`` float32 block scales (HF's
+        ``weight_scale_inv``), ``[L, ...]`` for a stack. blocks: their block sizes (static).
       layer: int32 scalar (may be traced, and then is not range-checked): which of a
         stacked weight's layers to use. The kernel reads it in place: a layer sliced out
         of a stack (as a scan over layers would) is copied before a kernel can take it,
@@ -198,7 +202,7 @@ def fp8_matmul(
         interpret = online_softmax.interpret_default()
     if not interpret:
         fp8.check_triton_indexable(weight, "weight")
-    config = config or Fp8MatmulConfig.for_shape(x.shape[0], *weight.shape[-2:])
+    config = config or Fp8MatmulConfig.for_shape(x.shape[0], weight.shape[-1], weight.shape[-2])
     weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     return _fp8_matmul(
         x, weight, scale_inv, layer, blocks=blocks, config=config, interpret=interpret
@@ -208,7 +212,7 @@ def fp8_matmul(
 @functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
 def _fp8_matmul(x, weight, scale_inv, layer, *, blocks, config, interpret):
     m, k = x.shape
-    n = weight.shape[-1]
+    n = weight.shape[-2]
     block_m = matmul_steps.fit_block(config.block_m, m)
     block_n = matmul_steps.fit_block(config.block_n, n)
     block_k = matmul_steps.fit_block(config.block_k, k)
@@ -223,7 +227,7 @@ def _fp8_matmul(x, weight, scale_inv, layer, *, blocks, config, interpret):
     out_dtype = x.dtype
     x, row_scale = matmul_steps.float16_operands(config.float16_mma, x, blocks, block_k, rows)
     x = online_softmax.pad_to(x, (rows, max(k, tile)))
-    weight = online_softmax.pad_to(weight, (weight.shape[0], max(k, tile), max(n, tile)))
+    weight = online_softmax.pad_to(weight, (weight.shape[0], max(n, tile), max(k, tile)))
     kernel = functools.partial(
         _fp8_matmul_kernel,
         rows=m,
@@ -237,7 +241,7 @@ def _fp8_matmul(x, weight, scale_inv, layer, *, blocks, config, interpret):
         scale_product=config.scale_product or bool(row_scale),
         swap_ab=config.swap_ab,
     )
-    out_shape = (rows, weight.shape[-1])
+    out_shape = (rows, weight.shape[-2])
     if splits > 1:
         out_shape = jax.ShapeDtypeStruct((splits, *out_shape), jnp.float32)
     else:

@@ -1,20 +1,41 @@
 """The matmul of few rows (decode's projections, ``[M <= 64, K]``) against an FP8 weight in
 HF's ``[N, K]`` layout with DeepSeek's 128 x 128 block scales, on Hopper's FP8 tensor cores
 with the activations quantized per token and 128 columns (w8a8, as DeepSeek's inference
-runs it), and its pure-jnp reference (``reference.w8a8_matmul``, the same signature). In no
-kernel set yet: the model keeps FP8 weights as ``[K, N]`` for the kernels that convert them
-into 16 bits (``skinny_matmul``, ``fp8_matmul``, ``grouped_matmul``)."""
+runs it), and its pure-jnp reference (``reference.w8a8_matmul``, the same signature). The
+Hopper kernel set runs it for decode's rows over the projections where it ``pays_off``; the
+other FP8 products convert the weight's tiles into 16 bits (``fp8_matmul``)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from . import reference
-from .pallas_mosaic_gpu import MAX_ROWS, W8A8MatmulConfig, quantize_rows, unsupported, w8a8_matmul
+from .pallas_mosaic_gpu import (
+    BLOCK,
+    MAX_ROWS,
+    W8A8MatmulConfig,
+    quantize_rows,
+    unsupported,
+    w8a8_matmul,
+)
 
 __all__ = [
     "reference",
+    "BLOCK",
     "MAX_ROWS",
     "W8A8MatmulConfig",
+    "pays_off",
     "quantize_rows",
     "unsupported",
     "w8a8_matmul",
 ]
+
+
+def pays_off(x: jnp.ndarray) -> bool:
+    """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
+    kernel takes the weight): decode's rows (up to ``MAX_ROWS``) of bfloat16. On V3's
+    projections at 1, 16 and 64 rows it beat the Triton FP8 kernel in 17 of 18 cases (0.54-
+    0.98x its time; the shared experts' gate_proj at 16 rows: 12.2 against 12.0 us) and the
+    bf16 weight on the wide ones (o_proj, the dense MLP: 0.70-0.85x; H200, 2026-12-06,
+    ``benchmarks/skinny_matmul_fp8.json``)."""
+    return x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16

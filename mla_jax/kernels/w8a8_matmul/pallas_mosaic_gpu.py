@@ -59,12 +59,19 @@ class W8A8MatmulConfig:
     auto_barriers: bool = False
 
 
-def check(x: jax.Array, weight: jax.Array, scale_inv: jax.Array) -> None:
+def check(
+    x: jax.Array, weight: jax.Array, scale_inv: jax.Array, layer: int | jax.Array | None = None
+) -> None:
     """Refuses, in one line naming it, an argument ``w8a8_matmul`` does not take."""
-    if x.ndim != 2 or weight.ndim != 2:
+    want = 2 if layer is None else 3
+    if x.ndim != 2 or weight.ndim != want or scale_inv.ndim != want:
+        form = "[N, K]" if layer is None else "[L, N, K] (a stack, with layer)"
         raise ValueError(
-            f"w8a8_matmul: x [M, K] and weight [N, K], got x {x.shape} and weight {weight.shape}"
+            f"w8a8_matmul: x [M, K] and weight {form}, got x {x.shape}, weight {weight.shape} "
+            f"and scale_inv {scale_inv.shape}"
         )
+    if layer is not None:
+        matmul_steps.check_layer(layer, weight.shape[0], "w8a8_matmul: ")
     if x.dtype != jnp.bfloat16 or weight.dtype != fp8.FP8 or scale_inv.dtype != jnp.float32:
         raise ValueError(
             "w8a8_matmul: bfloat16 x, a float8_e4m3fn weight and float32 scales, got "
@@ -72,17 +79,18 @@ def check(x: jax.Array, weight: jax.Array, scale_inv: jax.Array) -> None:
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"w8a8_matmul: 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
-    n, k = weight.shape
+    n, k = weight.shape[-2:]
     if x.shape[1] != k:
         raise ValueError(f"w8a8_matmul: x's K ({x.shape[1]}) is not the weight's ({k})")
     if n % BLOCK or k % BLOCK:
         raise ValueError(
             f"w8a8_matmul: weight [{n}, {k}] is not whole {BLOCK} x {BLOCK} scale blocks"
         )
-    if scale_inv.shape != (n // BLOCK, k // BLOCK):
+    grid = (*weight.shape[:-2], n // BLOCK, k // BLOCK)
+    if scale_inv.shape != grid:
         raise ValueError(
             f"w8a8_matmul: scale_inv {list(scale_inv.shape)} is not the weight's block grid "
-            f"{[n // BLOCK, k // BLOCK]}"
+            f"{list(grid)}"
         )
 
 
@@ -123,13 +131,20 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values.reshape(MAX_ROWS, k), matmul_steps.power_of_two(exponent).T
 
 
-def unsupported(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, config=None):
+def unsupported(
+    x: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    layer: int | jax.Array | None = None,
+    config: W8A8MatmulConfig | None = None,
+) -> str | None:
     """Why the kernel cannot run this product here (None: it can): an argument it does not
     take, or a device or jax that does not run Mosaic GPU kernels."""
 
     def arguments():
-        check(x, weight, scale_inv)
-        splits(weight.shape[1], weight.shape[0], config or W8A8MatmulConfig(), device_num_sms())
+        check(x, weight, scale_inv, layer)
+        n, k = weight.shape[-2:]
+        splits(k, n, config or W8A8MatmulConfig(), device_num_sms())
 
     return mosaic_gpu.unsupported(arguments, "w8a8_matmul: ")
 
@@ -139,29 +154,36 @@ def w8a8_matmul(
     weight: jax.Array,
     scale_inv: jax.Array,
     *,
+    layer: int | jax.Array | None = None,
     config: W8A8MatmulConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """``quantized(x) @ dequantize(weight, scale_inv)^T`` on e4m3 wgmmas.
+    """``quantized(x) @ dequantize(weight, scale_inv)^T`` on e4m3 wgmmas (``x @
+    weight[layer]^T`` for a stacked weight, read in place).
 
     Args:
       x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``; quantized per row and 128 columns
         (``quantize_rows``).
-      weight: ``[N, K]`` float8_e4m3fn (HF's layout), N and K multiples of 128.
+      weight: ``[N, K]`` float8_e4m3fn (HF's layout), N and K multiples of 128; or a stack
+        ``[L, N, K]`` with ``layer``.
       scale_inv: ``[N / 128, K / 128]`` float32, the weight's block scales (HF's
-        ``weight_scale_inv``): its value is ``weight x scale_inv`` blockwise.
+        ``weight_scale_inv``): its value is ``weight x scale_inv`` blockwise; ``[L, ...]``
+        for a stack.
+      layer: int32 scalar in ``[0, L)`` (may be traced, as a scan's layer index is; then it
+        is not range-checked): which layer of a stacked weight to use.
       config: the launch (None: the defaults).
       interpret: Mosaic GPU's interpret mode (None: off a GPU).
 
     Returns:
       ``[M, N]`` bfloat16, accumulated in float32 (summed in float32 across K's slices).
     """
-    check(x, weight, scale_inv)
+    check(x, weight, scale_inv, layer)
     config = config or W8A8MatmulConfig()
     if interpret is None:
         interpret = online_softmax.interpret_default()
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[-2]
+    weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     slices = splits(k, n, config, device_num_sms())
     values, scales = quantize_rows(x)
     kernel = plgpu.kernel(
@@ -174,24 +196,34 @@ def w8a8_matmul(
         thread_name="wg",
         **mosaic_gpu.kernel_options(config, interpret, 2),
     )
-    parts = jax.named_call(kernel, name="w8a8_matmul")(values, scales, weight, scale_inv)
+    parts = jax.named_call(kernel, name="w8a8_matmul")(layer, values, scales, weight, scale_inv)
     return parts.sum(axis=0)[:m].astype(x.dtype)
 
 
 def _kernel(
-    x_gmem, x_scale_gmem, w_gmem, w_scale_gmem, out_gmem, out_smem, *, slices: int, stages: int
+    layer_gmem,
+    x_gmem,
+    x_scale_gmem,
+    w_gmem,
+    w_scale_gmem,
+    out_gmem,
+    out_smem,
+    *,
+    slices: int,
+    stages: int,
 ):
     """One program: the output's columns ``n`` from slice ``split`` of K, ``[MAX_ROWS,
-    BLOCK]`` float32."""
+    BLOCK]`` float32, of the stacked weight ``w_gmem [L, N, K]``'s layer ``layer_gmem [1]``."""
     steps = x_gmem.shape[1] // BLOCK // slices
     split = lax.axis_index("split")
     column_block = lax.axis_index("n")
     first_step = split * steps
     acc_shape = (MAX_ROWS, BLOCK)
+    layer = layer_gmem[0]
 
     def weight_scale(i):
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
-        return w_scale_gmem[column_block, first_step + jnp.minimum(i, steps - 1)]
+        return w_scale_gmem[layer, column_block, first_step + jnp.minimum(i, steps - 1)]
 
     def compute_context(run_pipeline):
         total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -237,6 +269,6 @@ def _kernel(
         compute_context=compute_context,
     )(
         x_gmem.at[:, k_slice],
-        w_gmem.at[pl.ds(column_block * BLOCK, BLOCK), k_slice],
+        w_gmem.at[layer, pl.ds(column_block * BLOCK, BLOCK), k_slice],
         x_scale_gmem.at[pl.ds(first_step, steps)],
     )

@@ -1,0 +1,98 @@
+"""What w8a8 (``kernels/w8a8_matmul``: activations quantized to e4m3 per token and 128
+columns, as DeepSeek's inference runs its FP8 projections) costs in a whole model's logits:
+the built-in tiny model with FP8 weights (128 x 128 blocks, random scales), bf16, its
+projections on w8a8 wherever the kernel takes them, against the same FP8 model with every
+projection on the dequantized weight (the reference kernels), teacher-forced through the
+engine (prefill, then decodes). On the CPU w8a8 is its reference; on a GPU the Mosaic GPU
+kernel, compiled."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+from teacher_forcing import teacher_forced_logits
+
+from mla_jax import kernels
+from mla_jax.checkpoint.tiny import TINY
+from mla_jax.engine.engine import EngineConfig
+from mla_jax.kernels import fp8_blocks, w8a8_matmul
+from mla_jax.model.deepseek import DeepseekModel
+from mla_jax.model.layers import Linear
+
+
+def _w8a8_set(where: str):
+    """The reference kernels, the FP8 projections on w8a8 (its reference, or its kernel)
+    where it takes the product (128 x 128 blocks, bf16 x of up to 64 rows, whole blocks), on
+    the dequantized weight elsewhere; ``taken`` records which ``[N, K]`` shapes took it."""
+    taken = set()
+
+    def takes(x, weight, scale_inv, layer) -> bool:
+        if where == "kernel":
+            return w8a8_matmul.unsupported(x, weight, scale_inv, layer) is None
+        try:
+            w8a8_matmul.pallas_mosaic_gpu.check(x, weight, scale_inv, layer)
+        except ValueError:
+            return False
+        return True
+
+    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
+        whole = blocks == fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
+        if whole and takes(x, weight, scale_inv, layer):
+            taken.add(tuple(weight.shape[-2:]))
+            run = (
+                w8a8_matmul.w8a8_matmul if where == "kernel" else w8a8_matmul.reference.w8a8_matmul
+            )
+            return run(x, weight, scale_inv, layer=layer)
+        return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
+
+    kernel_set = kernels.REFERENCE._replace(fp8_matmul=kernels.on_whole_weights(fp8_matmul))
+    return kernel_set, taken
+
+
+def _fp8_tiny_model(rng) -> DeepseekModel:
+    """The tiny model, bf16, FP8 projections with random power-of-two block scales (so that
+    each block's scale is in play; the weights' values as initialised, in e4m3)."""
+    model = DeepseekModel(TINY, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=(128, 128))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.blocks is not None:
+            shape = node.weight_scale_inv.shape
+            node.weight_scale_inv[...] = jnp.asarray(2.0 ** rng.integers(-1, 2, shape), jnp.float32)
+    return model
+
+
+@pytest.mark.parametrize("where", ["reference", pytest.param("kernel", marks=pytest.mark.gpu)])
+def test_w8a8_logit_error_against_the_dequantized_model(rng, where):
+    """The logits' relative L2 error (printed), within 6-12%: measured 8.7-9.1% on the CPU
+    over four seeds. The e4m3 rounding of each projection's input is all that differs: 2.5%
+    a product (``test_w8a8_matmul.py``), over ten products in two layers of random
+    weights."""
+    if where == "reference" and jax.default_backend() == "gpu":
+        # Jitted whole on an H100 the reference's logits equaled the dequantized model's
+        # (error 0.0, 2026-12-06): XLA's GPU compiler may drop x's round trip through e4m3
+        # (its excess-precision rule; inferred, not checked). The kernel's x is e4m3 itself.
+        pytest.skip("the reference's rounding of x is measured on the CPU")
+    if where == "kernel" and w8a8_matmul.unsupported(
+        jnp.zeros((1, 128), jnp.bfloat16),
+        jnp.zeros((128, 128), fp8_blocks.FP8),
+        jnp.ones((1, 1), jnp.float32),
+    ):
+        pytest.skip("the w8a8 kernel does not run here")
+    model = _fp8_tiny_model(rng)
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (5, 19)]
+    forced = [rng.integers(0, TINY.vocab_size, 4).tolist() for _ in prompts]
+    config = dict(block_size=16, num_blocks=8, max_num_batched_tokens=32, workspace_size=32)
+    w8a8_set, taken = _w8a8_set(where)
+    want, _ = teacher_forced_logits(
+        model, EngineConfig(impl=kernels.REFERENCE, **config), prompts, forced
+    )
+    got, _ = teacher_forced_logits(model, EngineConfig(impl=w8a8_set, **config), prompts, forced)
+    # q_b_proj [1024, 128], o_proj and down_proj [256, 512], gate_proj and up_proj [512,
+    # 256]; fused_qkv_a_proj's 288 rows are not whole blocks.
+    assert taken == {(1024, 128), (256, 512), (512, 256)}
+    error = rel_err(np.concatenate(got), np.concatenate(want))
+    print(f"w8a8 ({where}): logits' relative L2 error against the dequantized model {error:.2%}")
+    assert 0.06 < error < 0.12, error
