@@ -7,13 +7,14 @@ bf16 activations.
     python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
-set's: ``fp8_matmul.fastest`` for the projections, their FP8 weights in HF's ``[N, K]``
-layout; the grouped matmul with the tuned FP8 configs for the experts), their ratio (issue 23
-asks <= 0.6x at decode, <= 1x at prefill), its relative error against the reference (the
-weights dequantized, then one matmul), and for the projections the alternative the product
-did not pick at that row count: the Pallas kernel, or the weight dequantized into a bf16
-temporary then XLA's dot (cuBLAS); for the MoE layer at prefill, its experts on the Triton
-grouped matmul (the Hopper kernel set runs FP8 experts there on the Mosaic GPU one).
+set's: for the projections, their FP8 weights in HF's ``[N, K]`` layout, w8a8 at decode's
+rows on a Hopper GPU, else ``fp8_matmul.fastest``; the grouped matmul with the tuned FP8
+configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
+its relative error against the reference (the weights dequantized, then one matmul), and for
+the projections the paths the product did not pick at that row count: the Pallas kernel, or
+the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS), and w8a8 at a
+prefill's rows; for the MoE layer at prefill, its experts on the Triton grouped matmul (the
+Hopper kernel set runs FP8 experts there on the Mosaic GPU one).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -42,6 +43,7 @@ from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
 from mla_jax.kernels import grouped_matmul as gm
+from mla_jax.kernels import w8a8_matmul as w8a8
 from mla_jax.model.config import MoEConfig, moe_preset
 from mla_jax.model.layers import Linear, k_splits, split_k_dot
 from mla_jax.model.moe import MoE
@@ -114,12 +116,19 @@ def _fp8_state(module: nnx.Module, seed: int) -> nnx.Module:
     return module
 
 
+def _w8a8_product(x, weight, scale_inv, *, blocks, layer=None):
+    """``fp8_matmul``'s signature on w8a8 (whole 128 x 128 blocks: the table's)."""
+    del blocks
+    return w8a8.w8a8_matmul(x, weight, scale_inv, layer=layer)
+
+
 # The projections' alternatives: the GPU set with one FP8 path forced.
 ALTERNATIVES = {
     "pallas": kernels.TRITON._replace(fp8_matmul=kernels.on_whole_weights(fm.fp8_matmul)),
     "dequant+cuBLAS": kernels.TRITON._replace(
         fp8_matmul=kernels.on_whole_weights(fm.reference.dequantized_dot)
     ),
+    "w8a8": kernels.TRITON._replace(fp8_matmul=kernels.on_whole_weights(_w8a8_product)),
 }
 
 
@@ -233,10 +242,19 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             kernel_fn = _fp8_product("pallas", weight, scale_inv, blocks)
             error_fns = (kernel_fn, _fp8_product("reference", weight, scale_inv, blocks))
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
-            # The path the product did not take at this row count.
-            other = "pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
-            alternative = _fp8_product(ALTERNATIVES[other], weight, scale_inv, blocks)
-            r["others"] = [(other, time_us(alternative, args, reps=10))]
+            # The paths the product did not take at this row count: where the Hopper set
+            # runs w8a8 (decode's rows), the Triton kernel; elsewhere the Triton set's other
+            # path, and w8a8 where it runs.
+            w8a8_runs = w8a8.unsupported(args[0][0], weight, scale_inv) is None
+            if w8a8_runs and w8a8.pays_off(args[0][0]):
+                others = ["pallas"]
+            else:
+                others = ["pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"]
+                others += ["w8a8"] if w8a8_runs else []
+            r["others"] = []
+            for other in others:
+                alternative = _fp8_product(ALTERNATIVES[other], weight, scale_inv, blocks)
+                r["others"].append((other, time_us(alternative, args, reps=10)))
             print(name, tokens, jsonable(r), flush=True)
             rows.append(_row(f"{name} [{n_in}, {n_out}]", tokens, r))
     return rows
@@ -323,10 +341,14 @@ def tables(args) -> None:
             "prefill, on a Hopper GPU, the Mosaic GPU kernel; the FP8 experts "
             "stacked as two layers', as a model stacks them: one V3 layer's FP8 down_proj, "
             "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
-            "projections (their FP8 weights in HF's [N, K] layout) through "
+            "projections (their FP8 weights in HF's [N, K] layout): on a Hopper GPU up to "
+            f"{w8a8.MAX_ROWS} rows w8a8 (x quantized to e4m3 per row and 128 columns, e4m3 "
+            "wgmmas; its rel err is mostly x's rounding) where it takes the weight, else "
             f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
-            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternative: "
-            "the projection's other path at that row count (10 calls). The MoE layer at "
+            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternatives "
+            "(10 calls): where w8a8 ran, the Pallas kernel; elsewhere the projection's other "
+            "fastest path at that row count and w8a8 where it takes the product (at a "
+            "prefill's rows in 128-row tiles, in no kernel set yet). The MoE layer at "
             "prefill: the Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; "
             "alternative: the Triton grouped matmul. Times: medians of the summed CUPTI kernel "
             "durations of warm calls over 3 rotating inputs.",

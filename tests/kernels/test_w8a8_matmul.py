@@ -92,6 +92,7 @@ def test_quantize_rows_matches_numpy(rng):
         (1, 256, 128, None),  # the launch's own slices, one row
         (5, 384, 256, Config(splits=3)),  # three slices of a step each, float32 parts
         (64, 512, 128, Config(stages=2, splits=2)),  # a full tile, two stages of two steps
+        (130, 256, 256, Config(stages=2)),  # 128-row tiles (two warpgroups), the last of 2 rows
     ],
 )
 def test_matches_float64(rng, m, k, n, config):
@@ -180,23 +181,38 @@ def test_hopper_set_runs_large_projections_at_decode_on_it(rng, monkeypatch, cap
 
 
 @pytest.mark.parametrize(
-    "k,n,num_sms,config,want",
+    "m,k,n,num_sms,config,want",
     [
-        (16384, 7168, 132, Config(), 4),  # 56 column blocks: 224 programs
-        (7168, 18432, 132, Config(), 2),  # 144 column blocks: 288 programs
-        (7168, 1536, 132, Config(), 8),  # 12 column blocks: the most slices of 56 steps
-        (384, 128, 132, Config(), 1),  # 3 steps: of SPLITS only 1 divides them
-        (512, 128, 132, Config(splits=2), 2),
+        (64, 16384, 7168, 132, Config(), 4),  # 56 column blocks: 224 programs
+        (64, 7168, 18432, 132, Config(), 2),  # 144 column blocks: 288 programs
+        (64, 7168, 1536, 132, Config(), 8),  # 12 column blocks: the most slices of 56 steps
+        (64, 384, 128, 132, Config(), 1),  # 3 steps: of SPLITS only 1 divides them
+        (64, 512, 128, 132, Config(splits=2), 2),
+        (8192, 16384, 7168, 132, Config(), 1),  # 64 row tiles x 56 column blocks
+        (256, 16384, 7168, 132, Config(), 2),  # 2 row tiles x 56: 224 programs
     ],
 )
-def test_splits(k, n, num_sms, config, want):
-    assert mosaic.splits(k, n, config, num_sms) == want
+def test_splits(m, k, n, num_sms, config, want):
+    assert mosaic.splits(m, k, n, config, num_sms) == want
+
+
+@pytest.mark.parametrize(
+    "m,steps,slices,config,want",
+    [
+        (64, 128, 4, Config(), 6),  # 24.25 KB a step beside a 32 KB float32 tile: 6 fit
+        (8192, 128, 1, Config(), 5),  # 32.5 KB a step beside a 32 KB bf16 tile: 5 fit
+        (8192, 128, 2, Config(), 4),  # beside a 64 KB float32 tile: 4
+        (64, 8, 4, Config(), 2),  # a slice's 2 steps
+    ],
+)
+def test_stages(m, steps, slices, config, want):
+    assert mosaic.stages(m, steps, slices, config) == want
 
 
 @pytest.mark.parametrize(
     "x,weight,scales,config,message",
     [
-        ((65, 256), (128, 256), (1, 2), None, "1 to 64 rows of x, got 65"),
+        ((0, 256), (128, 256), (1, 2), None, "x has no rows"),
         ((4, 256), (128, 384), (1, 3), None, r"x's K \(256\) is not the weight's \(384\)"),
         ((4, 200), (128, 200), (1, 2), None, r"weight \[128, 200\] is not whole 128 x 128"),
         ((4, 256), (128, 256), (2, 2), None, r"scale_inv \[2, 2\] is not the weight's block"),
@@ -231,13 +247,15 @@ def test_refuses_dtypes():
     tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11),
     reason="the Mosaic GPU lowering this kernel is written for needs jax >= 0.11",
 )
-def test_lowers_for_sm90():
+@pytest.mark.parametrize("m", [64, 8192])
+def test_lowers_for_sm90(m):
     """The sm90 lowering (e4m3 wgmmas, TMA shapes, shared memory, the scales' row layout)
-    of V3's o_proj at 64 rows, on any machine (jax 0.11, which the GPUs run, and 0.12);
-    only ptxas and the run need the GPU."""
+    of V3's o_proj at decode's 64 rows (slices of K, float32 parts) and a prefill's 8192
+    (128-row tiles on two warpgroups, bf16 out), on any machine (jax 0.11, which the GPUs
+    run, and 0.12); only ptxas and the run need the GPU."""
     f = jax.jit(functools.partial(w8a8.w8a8_matmul, interpret=False))
     lowered = f.trace(
-        jax.ShapeDtypeStruct((64, 16384), BF16),
+        jax.ShapeDtypeStruct((m, 16384), BF16),
         jax.ShapeDtypeStruct((7168, 16384), FP8),
         jax.ShapeDtypeStruct((56, 128), jnp.float32),
     ).lower(lowering_platforms=("cuda",))
@@ -245,9 +263,10 @@ def test_lowers_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
 @pytest.mark.parametrize("k,n", [(16384, 7168), (7168, 1536), (7168, 18432)])
 def test_deepseek_shapes_compiled(rng, m, k, n):
-    """V3's projections at decode's row counts (GPU only: too large to interpret)."""
+    """V3's projections at decode's row counts and a prefill's 300 (three 128-row tiles,
+    the last partial; GPU only: too large to interpret)."""
     x, weight, scale_inv, exact = _case(rng, m, k, n)
     _check(jax.jit(w8a8.w8a8_matmul)(x, weight, scale_inv), x, exact)

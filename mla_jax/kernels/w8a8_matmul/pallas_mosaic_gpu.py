@@ -1,18 +1,21 @@
-"""``x [M, K] @ weight[N, K]^T`` for few rows (M <= 64) on FP8 tensor cores (Hopper, sm90):
-activations quantized to e4m3 per token and 128 columns, DeepSeek's FP8 weight as it ships.
+"""``x [M, K] @ weight[N, K]^T`` on FP8 tensor cores (Hopper, sm90): activations quantized to
+e4m3 per token and 128 columns, DeepSeek's FP8 weight as it ships.
 
 Hopper's e4m3 wgmma reads both operands K-major from shared memory, so the weight stays in
 HF's ``[N, K]`` layout and x is quantized as DeepSeek's inference does (``act_quant``: a
 float32 scale per row and 128 columns; here a power of two, ``quantize_rows``). The other
 FP8 kernels take ``[K, N]`` weights and convert each tile into 16 bits before a 16-bit MMA,
 which at 64 rows leaves them at 1.08-1.60x the bf16 weight's time
-(``skinny_matmul_fp8.json``). A program owns 128 output columns (one weight scale block)
-and one of ``splits`` slices of K; a memory warpgroup streams the slice's ``[128, 128]``
-e4m3 weight tiles, the matching ``[64, 128]`` tiles of quantized x and x's 64 scales of the
-step by TMA, ``stages`` steps ahead, and one compute warpgroup multiplies each step into a
-fresh float32 accumulator (x's rows, padded to 64, on the wgmma's M side) and adds it,
-times the step's weight scale and each row's x scale, to the sum it carries. XLA sums the
-slices' float32 parts.
+(``skinny_matmul_fp8.json``). A program owns a tile of x's rows (``row_tile``: 64 for up to
+64 rows, decode's, else 128), 128 output columns (one weight scale block) and one of
+``splits`` slices of K; a memory warpgroup streams the slice's ``[128, 128]`` e4m3 weight
+tiles, the matching ``[row_tile, 128]`` tiles of quantized x and x's scales of the step by
+TMA, ``stages`` steps ahead, and each of ``row_tile / 64`` compute warpgroups multiplies its
+64 rows of a step (on the wgmma's M side; x's rows padded to the tile) into a fresh float32
+accumulator and adds it, times the step's weight scale and each row's x scale, to the sum it
+carries: a new accumulator each 128 deep because the e4m3 wgmma keeps only about 14 bits of
+its running sum (DeepSeek-V3's report, 3.3.2). One slice writes the output in x's dtype;
+XLA sums several slices' float32 parts.
 
 Numerics: x's rounding to e4m3 (3 mantissa bits) puts the product about 2.5% (relative L2)
 from ``x @ dequantize(weight)`` on normal inputs; against x's e4m3 values the kernel is
@@ -33,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .. import fp8, matmul_steps, mosaic_gpu, online_softmax
 from ..decode import device_num_sms
 
-MAX_ROWS = 64  # x's rows on the wgmma's M side, one 64-row tile
+MAX_ROWS = 64  # decode's rows: one warpgroup's 64-row tile on the wgmma's M side
 BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
 # and a program's columns; 128 e4m3 values are one 128-byte swizzled row
 SPLITS = (1, 2, 4, 8, 16)
@@ -41,13 +44,17 @@ SPLITS = (1, 2, 4, 8, 16)
 # slices (224 programs; 8: +8%) and its gate_proj [18432, 7168] in 2 (288; 1, 144 programs:
 # +7%) on an H100's 132 (64 rows; 2026-12-06, a trial script).
 PROGRAMS_PER_SM = 1.5
+# Shared memory a launch may plan for (of an sm90 multiprocessor's 227 KB, some left for the
+# pipeline's barriers).
+SMEM_BYTES = 220 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class W8A8MatmulConfig:
     """Launch of the w8a8 matmul.
 
-    stages: pipeline steps in flight (a step: a 16 KB weight tile, an 8 KB tile of x).
+    stages: pipeline steps in flight at most (a step: a 16 KB weight tile, an 8 or 16 KB
+      tile of x); fewer where shared memory holds fewer (``launch``).
     splits: slices of K (None: the fewest of ``SPLITS`` that give ``PROGRAMS_PER_SM``
       programs a multiprocessor, else the most that divide K's steps).
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
@@ -77,8 +84,8 @@ def check(
             "w8a8_matmul: bfloat16 x, a float8_e4m3fn weight and float32 scales, got "
             f"{x.dtype}, {weight.dtype} and {scale_inv.dtype}"
         )
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"w8a8_matmul: 1 to {MAX_ROWS} rows of x, got {x.shape[0]}")
+    if x.shape[0] < 1:
+        raise ValueError("w8a8_matmul: x has no rows")
     n, k = weight.shape[-2:]
     if x.shape[1] != k:
         raise ValueError(f"w8a8_matmul: x's K ({x.shape[1]}) is not the weight's ({k})")
@@ -94,9 +101,15 @@ def check(
         )
 
 
-def splits(k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> int:
-    """Slices of K for a ``[N, K]`` weight on ``num_sms`` multiprocessors (ValueError where
-    ``config.splits`` does not divide K's steps)."""
+def row_tile(m: int) -> int:
+    """x's rows a program multiplies: one compute warpgroup's 64 for up to ``MAX_ROWS``
+    (decode), else two warpgroups' 128 (a step's weight tile read once for both)."""
+    return MAX_ROWS if m <= MAX_ROWS else 2 * MAX_ROWS
+
+
+def splits(m: int, k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> int:
+    """Slices of K for ``x [m, K]`` times a ``[N, K]`` weight on ``num_sms``
+    multiprocessors (ValueError where ``config.splits`` does not divide K's steps)."""
     steps = k // BLOCK
     if config.splits is not None:
         if config.splits < 1 or steps % config.splits:
@@ -104,15 +117,25 @@ def splits(k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> int:
                 f"w8a8_matmul: {config.splits} slices of K do not divide its {steps} steps"
             )
         return config.splits
+    tiles = n // BLOCK * -(-m // row_tile(m))
     fits = [s for s in SPLITS if steps % s == 0]
-    enough = [s for s in fits if n // BLOCK * s >= PROGRAMS_PER_SM * num_sms]
+    enough = [s for s in fits if tiles * s >= PROGRAMS_PER_SM * num_sms]
     return enough[0] if enough else fits[-1]
 
 
+def stages(m: int, steps: int, slices: int, config: W8A8MatmulConfig) -> int:
+    """Pipeline steps in flight: ``config.stages`` at most, no more than a slice's steps,
+    and as many as shared memory holds beside the output tile."""
+    rows = row_tile(m)
+    out_bytes = rows * BLOCK * (2 if slices == 1 else 4)
+    step_bytes = rows * BLOCK + BLOCK * BLOCK + 4 * rows
+    return max(1, min(config.stages, steps // slices, (SMEM_BYTES - out_bytes) // step_bytes))
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [M, K]`` as the kernel reads it: ``[MAX_ROWS, K]`` float8_e4m3fn (rows past M
-    zero) and the ``[K / 128, MAX_ROWS]`` float32 scales of its rows' 128-column groups:
-    values x scales is x rounded to e4m3's 3 mantissa bits.
+    """``x [M, K]`` as the kernel reads it: ``[R, K]`` float8_e4m3fn, M rounded up to whole
+    ``row_tile(M)`` (rows past M zero), and the ``[K / 128, R]`` float32 scales of its rows'
+    128-column groups: values x scales is x rounded to e4m3's 3 mantissa bits.
 
     A group's scale is the smallest power of two at or above ``amax / 448`` (so nothing
     saturates), found from ``amax``'s own exponent: ``448 = 0.875 x 2^9``, so for ``amax =
@@ -122,13 +145,14 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     power of two is exact. DeepSeek's ``act_quant`` takes ``amax / 448`` itself; e4m3
     rounds relative to a value's own exponent, so a power of two costs no precision."""
     m, k = x.shape
-    groups = jnp.pad(x.astype(jnp.float32), ((0, MAX_ROWS - m), (0, 0)))
-    groups = groups.reshape(MAX_ROWS, k // BLOCK, BLOCK)
+    rows = -(-m // row_tile(m)) * row_tile(m)
+    groups = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0)))
+    groups = groups.reshape(rows, k // BLOCK, BLOCK)
     mantissa, exponent = jnp.frexp(jnp.max(jnp.abs(groups), axis=-1))
     # Both powers of two stay normal float32 numbers (a bf16 amax's exponent is at most 128).
     exponent = jnp.clip(exponent - 9 + (mantissa > 0.875), -126, 126)
     values = (groups * matmul_steps.power_of_two(-exponent)[..., None]).astype(fp8.FP8)
-    return values.reshape(MAX_ROWS, k), matmul_steps.power_of_two(exponent).T
+    return values.reshape(rows, k), matmul_steps.power_of_two(exponent).T
 
 
 def unsupported(
@@ -144,7 +168,7 @@ def unsupported(
     def arguments():
         check(x, weight, scale_inv, layer)
         n, k = weight.shape[-2:]
-        splits(k, n, config or W8A8MatmulConfig(), device_num_sms())
+        splits(x.shape[0], k, n, config or W8A8MatmulConfig(), device_num_sms())
 
     return mosaic_gpu.unsupported(arguments, "w8a8_matmul: ")
 
@@ -162,8 +186,7 @@ def w8a8_matmul(
     weight[layer]^T`` for a stacked weight, read in place).
 
     Args:
-      x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``; quantized per row and 128 columns
-        (``quantize_rows``).
+      x: ``[M, K]`` bfloat16; quantized per row and 128 columns (``quantize_rows``).
       weight: ``[N, K]`` float8_e4m3fn (HF's layout), N and K multiples of 128; or a stack
         ``[L, N, K]`` with ``layer``.
       scale_inv: ``[N / 128, K / 128]`` float32, the weight's block scales (HF's
@@ -175,7 +198,8 @@ def w8a8_matmul(
       interpret: Mosaic GPU's interpret mode (None: off a GPU).
 
     Returns:
-      ``[M, N]`` bfloat16, accumulated in float32 (summed in float32 across K's slices).
+      ``[M, N]`` bfloat16, accumulated in float32 each 128 deep (summed in float32 across
+      K's slices).
     """
     check(x, weight, scale_inv, layer)
     config = config or W8A8MatmulConfig()
@@ -184,20 +208,26 @@ def w8a8_matmul(
     m, k = x.shape
     n = weight.shape[-2]
     weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
-    slices = splits(k, n, config, device_num_sms())
+    slices = splits(m, k, n, config, device_num_sms())
     values, scales = quantize_rows(x)
+    rows = row_tile(m)
+    out_dtype = x.dtype if slices == 1 else jnp.float32
+    compute_warpgroups = rows // MAX_ROWS
     kernel = plgpu.kernel(
-        functools.partial(_kernel, slices=slices, stages=min(config.stages, k // BLOCK // slices)),
-        out_type=jax.ShapeDtypeStruct((slices, MAX_ROWS, n), jnp.float32),
-        scratch_types=dict(out_smem=plgpu.SMEM((MAX_ROWS, BLOCK), jnp.float32)),
-        grid=(n // BLOCK, slices),
-        grid_names=("n", "split"),
-        num_threads=2,  # one warpgroup copies, one multiplies
+        functools.partial(
+            _kernel, slices=slices, rows=rows, stages=stages(m, k // BLOCK, slices, config)
+        ),
+        out_type=jax.ShapeDtypeStruct((slices, *values.shape[:1], n), out_dtype),
+        scratch_types=dict(out_smem=plgpu.SMEM((rows, BLOCK), out_dtype)),
+        grid=(n // BLOCK, values.shape[0] // rows, slices),
+        grid_names=("n", "m", "split"),
+        num_threads=compute_warpgroups + 1,  # one warpgroup copies, the others multiply
         thread_name="wg",
-        **mosaic_gpu.kernel_options(config, interpret, 2),
+        **mosaic_gpu.kernel_options(config, interpret, compute_warpgroups + 1),
     )
     parts = jax.named_call(kernel, name="w8a8_matmul")(layer, values, scales, weight, scale_inv)
-    return parts.sum(axis=0)[:m].astype(x.dtype)
+    out = parts[0] if slices == 1 else parts.sum(axis=0)
+    return out[:m].astype(x.dtype)
 
 
 def _kernel(
@@ -210,16 +240,20 @@ def _kernel(
     out_smem,
     *,
     slices: int,
+    rows: int,
     stages: int,
 ):
-    """One program: the output's columns ``n`` from slice ``split`` of K, ``[MAX_ROWS,
-    BLOCK]`` float32, of the stacked weight ``w_gmem [L, N, K]``'s layer ``layer_gmem [1]``."""
+    """One program: the output's columns ``n`` and row tile ``m`` from slice ``split`` of K,
+    ``[rows, BLOCK]``, of the stacked weight ``w_gmem [L, N, K]``'s layer ``layer_gmem [1]``;
+    each compute warpgroup ``wg`` its 64 rows."""
     steps = x_gmem.shape[1] // BLOCK // slices
     split = lax.axis_index("split")
     column_block = lax.axis_index("n")
+    row_block = lax.axis_index("m")
     first_step = split * steps
     acc_shape = (MAX_ROWS, BLOCK)
     layer = layer_gmem[0]
+    own_rows = pl.ds(lax.axis_index("wg") * MAX_ROWS, MAX_ROWS)  # of the tile
 
     def weight_scale(i):
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
@@ -228,9 +262,13 @@ def _kernel(
     def compute_context(run_pipeline):
         total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
         total, _ = run_pipeline((total, weight_scale(0)))
-        out_smem[...] = total
+        out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(column_block * BLOCK, BLOCK)])
+        out_rows = pl.ds(row_block * rows + own_rows.start, MAX_ROWS)
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[own_rows],
+            out_gmem.at[split, out_rows, pl.ds(column_block * BLOCK, BLOCK)],
+        )
         plgpu.wait_smem_to_gmem(0)
 
     def step(indices, x_tile, w_tile, x_scale_tile, carry):
@@ -238,12 +276,12 @@ def _kernel(
         next_scale = weight_scale(indices[0] + 1)  # in flight while this step computes
 
         def product(acc):
-            # [rows, BLOCK] += x_tile [rows, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
-            plgpu.wgmma(acc, x_tile, w_tile.transpose((1, 0)))
+            # [64, BLOCK] += x_tile's rows [64, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
+            plgpu.wgmma(acc, x_tile.at[own_rows], w_tile.transpose((1, 0)))
             return acc[...]  # waits for the product: the slot goes back to the copies
 
         acc = pl.run_scoped(product, plgpu.ACC(acc_shape))
-        row_scales = plgpu.load(x_scale_tile.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+        row_scales = plgpu.load(x_scale_tile.at[0, own_rows], layout=plgpu.Layout.WGMMA.reduce(1))
         factor = lax.broadcast_in_dim(row_scales * scale, acc_shape, [0])
         return total + acc * factor, next_scale
 
@@ -254,21 +292,21 @@ def _kernel(
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec(
-                (MAX_ROWS, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
+                (rows, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
             ),
             plgpu.BlockSpec(
                 (BLOCK, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
             ),
-            # 64 float32 scales a step: 256-byte slots keep every TMA destination 128-byte
-            # aligned
-            plgpu.BlockSpec((1, MAX_ROWS), lambda i: (i, 0)),
+            # 64 or 128 float32 scales a step: 256- or 512-byte slots keep every TMA
+            # destination 128-byte aligned
+            plgpu.BlockSpec((1, rows), lambda i: (i, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=1,
+        num_compute_wgs=rows // MAX_ROWS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )(
-        x_gmem.at[:, k_slice],
+        x_gmem.at[pl.ds(row_block * rows, rows), k_slice],
         w_gmem.at[layer, pl.ds(column_block * BLOCK, BLOCK), k_slice],
-        x_scale_gmem.at[pl.ds(first_step, steps)],
+        x_scale_gmem.at[pl.ds(first_step, steps), pl.ds(row_block * rows, rows)],
     )
