@@ -93,6 +93,7 @@ def test_quantize_rows_matches_numpy(rng):
         (5, 384, 256, Config(splits=3)),  # three slices of a step each, float32 parts
         (64, 512, 128, Config(stages=2, splits=2)),  # a full tile, two stages of two steps
         (130, 256, 256, Config(stages=2)),  # 128-row tiles (two warpgroups), the last of 2 rows
+        (130, 256, 256, Config(splits=1)),  # one slice: the output in bf16 from the kernel
     ],
 )
 def test_matches_float64(rng, m, k, n, config):
@@ -263,10 +264,20 @@ def test_lowers_for_sm90(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("config", [None, Config(splits=1)])
+def test_prefill_rows_compiled(rng, config):
+    """A prefill's 300 rows of V3's MLP gate_proj (three 128-row tiles on two warpgroups,
+    the last partial), in slices of K (float32 parts) and in one (bf16 out)."""
+    x, weight, scale_inv, exact = _case(rng, 300, 7168, 18432)
+    _check(
+        jax.jit(functools.partial(w8a8.w8a8_matmul, config=config))(x, weight, scale_inv), x, exact
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("k,n", [(16384, 7168), (7168, 1536), (7168, 18432)])
 def test_deepseek_shapes_compiled(rng, m, k, n):
-    """V3's projections at decode's row counts and a prefill's 300 (three 128-row tiles,
-    the last partial; GPU only: too large to interpret)."""
+    """V3's projections at decode's row counts (GPU only: too large to interpret)."""
     x, weight, scale_inv, exact = _case(rng, m, k, n)
     _check(jax.jit(w8a8.w8a8_matmul)(x, weight, scale_inv), x, exact)

@@ -253,7 +253,9 @@ def _kernel(
     first_step = split * steps
     acc_shape = (MAX_ROWS, BLOCK)
     layer = layer_gmem[0]
-    own_rows = pl.ds(lax.axis_index("wg") * MAX_ROWS, MAX_ROWS)  # of the tile
+    # The compute warpgroup's rows of the tile (static where it is the only one).
+    first_row = 0 if rows == MAX_ROWS else lax.axis_index("wg") * MAX_ROWS
+    own_rows = pl.ds(first_row, MAX_ROWS)
 
     def weight_scale(i):
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
@@ -264,7 +266,7 @@ def _kernel(
         total, _ = run_pipeline((total, weight_scale(0)))
         out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
         plgpu.commit_smem()
-        out_rows = pl.ds(row_block * rows + own_rows.start, MAX_ROWS)
+        out_rows = pl.ds(row_block * rows + first_row, MAX_ROWS)
         plgpu.copy_smem_to_gmem(
             out_smem.at[own_rows],
             out_gmem.at[split, out_rows, pl.ds(column_block * BLOCK, BLOCK)],
