@@ -22,6 +22,9 @@ parameter                          shape (dtype)               HF tensor(s) unde
 =================================  ==========================  =================================
 
 E = n_routed_experts, H = hidden_size, I = moe_intermediate_size, S = I x n_shared_experts.
+Kept FP8 (``fp8_blocks``), the routed experts' stacks keep these shapes, with their
+``*_scale_inv`` grids in the same transposed layout, while each shared expert's projection
+holds HF's ``weight [out, in]`` and ``weight_scale_inv`` as stored (``layers.Linear``).
 The per-expert names are what DeepSeek publishes and what transformers 5.23's
 ``save_pretrained`` writes (its conversion mapping splits the fused tensors back on saving).
 In memory transformers fuses them as ``experts.gate_up_proj [E, 2I, H]`` (gate rows first)
