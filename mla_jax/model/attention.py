@@ -33,7 +33,7 @@ from mla_jax.model.rope import apply_rope, rope_cos_sin
 
 # HF's weight of which W_UK and W_UV are the parts (``kv_b_part``).
 KV_B_PROJ = "kv_b_proj"
-# HF's weights whose columns ``fused_qkv_a_proj`` holds side by side (``fused_qkv_a_part``).
+# HF's weights whose outputs ``fused_qkv_a_proj`` holds side by side (``fused_qkv_a_part``).
 FUSED_QKV_A = ("q_a_proj", "kv_a_proj_with_mqa")
 
 
@@ -50,9 +50,10 @@ def kv_b_part(param: str, cfg: MLAConfig) -> tuple[tuple[int, ...], tuple, tuple
 
 
 def fused_qkv_a_part(param: str, cfg: MLAConfig) -> list[tuple[str, slice]]:
-    """The HF weights ``MLAAttention``'s parameter ``param`` holds in column ranges of its
-    kernel: ``fused_qkv_a_proj`` holds ``q_a_proj``'s ``[H, Lq]`` in columns ``[0, Lq)``
-    and ``kv_a_proj_with_mqa``'s ``[H, Lkv + R]`` after them; [] for other parameters."""
+    """The HF weights ``MLAAttention``'s parameter ``param`` holds in ranges of its outputs:
+    ``fused_qkv_a_proj`` holds ``q_a_proj``'s ``Lq`` outputs in ``[0, Lq)`` and
+    ``kv_a_proj_with_mqa``'s ``Lkv + R`` after them (columns of its ``kernel [H, Lq + Lkv +
+    R]``, or rows of its kept FP8 ``weight [Lq + Lkv + R, H]``); [] for other parameters."""
     if param != "fused_qkv_a_proj" or cfg.q_lora_rank is None:
         return []
     q_a, kv_a = FUSED_QKV_A
@@ -80,8 +81,8 @@ class MLAAttention(nnx.Module):
 
     With ``fp8_blocks`` (a checkpoint's ``weight_block_size``) the projections of the hidden
     states and of the output (``q_proj`` and ``kv_a_proj_with_mqa``, or ``fused_qkv_a_proj``
-    and ``q_b_proj``; ``o_proj``) are FP8 with block scales; the fused kernel's block grid
-    is its two weights' grids side by side, so ``Lq`` must be whole blocks. ``W_UK`` and
+    and ``q_b_proj``; ``o_proj``) are FP8 with block scales; the fused weight's block grid
+    is its two weights' grids stacked on the outputs, so ``Lq`` must be whole blocks. ``W_UK`` and
     ``W_UV`` stay in ``param_dtype`` (the loader dequantizes ``kv_b_proj``): they are
     absorbed into the queries at decode and up-project latents at prefill, not linears of
     the hidden states, and they are small (V3: 17 M of the layer's 187 M weights, 2 GB over

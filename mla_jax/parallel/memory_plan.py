@@ -230,7 +230,7 @@ def weight_bytes(
                 if size != whole and size % block:
                     raise ValueError(
                         f"{'/'.join(tensor.spec_path)} {list(weight)}: a device's shard "
-                        f"{list(shard)} under {spec.spec} is not whole {bo} x {bi} blocks"
+                        f"{list(shard)} under {spec.spec} is not whole {rows} x {columns} blocks"
                     )
     return total
 

@@ -24,33 +24,35 @@ from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.model.layers import Linear
 
 
-def _w8a8_set(where: str):
-    """The reference kernels, the FP8 projections on w8a8 (its reference, or its kernel)
-    where it takes the product (128 x 128 blocks, bf16 x of up to 64 rows, whole blocks), on
-    the dequantized weight elsewhere; ``taken`` records which ``[N, K]`` shapes took it."""
+def _w8a8_set(where: str, monkeypatch):
+    """The reference kernels, the FP8 projections on w8a8 where it takes the product, on the
+    dequantized weight elsewhere: ``"kernel"``, the Hopper set's FP8 matmul as it ships
+    (``kernels._hopper_fp8_matmul``); ``"reference"``, the same choice (128 x 128 blocks,
+    bf16 x of up to 64 rows, whole blocks) made here for w8a8's reference. ``taken``
+    records which ``[N, K]`` weights went to w8a8."""
     taken = set()
+    if where == "kernel":
+        kernel = w8a8_matmul.w8a8_matmul
 
-    def takes(x, weight, scale_inv, layer) -> bool:
-        if where == "kernel":
-            return w8a8_matmul.unsupported(x, weight, scale_inv, layer) is None
-        try:
-            w8a8_matmul.pallas_mosaic_gpu.check(x, weight, scale_inv, layer)
-        except ValueError:
-            return False
-        return True
+        def spy(x, weight, scale_inv, **kwargs):
+            taken.add(tuple(weight.shape[-2:]))
+            return kernel(x, weight, scale_inv, **kwargs)
+
+        monkeypatch.setattr(w8a8_matmul, "w8a8_matmul", spy)
+        return kernels.REFERENCE._replace(fp8_matmul=kernels.MOSAIC_GPU.fp8_matmul), taken
 
     def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
         whole = blocks == fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
-        if whole and takes(x, weight, scale_inv, layer):
+        try:
+            w8a8_matmul.pallas_mosaic_gpu.check(x, weight, scale_inv, layer)
+        except ValueError:
+            whole = False
+        if whole and w8a8_matmul.pays_off(x):
             taken.add(tuple(weight.shape[-2:]))
-            run = (
-                w8a8_matmul.w8a8_matmul if where == "kernel" else w8a8_matmul.reference.w8a8_matmul
-            )
-            return run(x, weight, scale_inv, layer=layer)
+            return w8a8_matmul.reference.w8a8_matmul(x, weight, scale_inv, layer=layer)
         return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
 
-    kernel_set = kernels.REFERENCE._replace(fp8_matmul=kernels.on_whole_weights(fp8_matmul))
-    return kernel_set, taken
+    return kernels.REFERENCE._replace(fp8_matmul=kernels.on_whole_weights(fp8_matmul)), taken
 
 
 def _fp8_tiny_model(rng) -> DeepseekModel:
@@ -65,7 +67,7 @@ def _fp8_tiny_model(rng) -> DeepseekModel:
 
 
 @pytest.mark.parametrize("where", ["reference", pytest.param("kernel", marks=pytest.mark.gpu)])
-def test_w8a8_logit_error_against_the_dequantized_model(rng, where):
+def test_w8a8_logit_error_against_the_dequantized_model(rng, where, monkeypatch):
     """The logits' relative L2 error (printed), within 6-12%: measured 8.7-9.1% on the CPU
     over four seeds. The e4m3 rounding of each projection's input is all that differs: 2.5%
     a product (``test_w8a8_matmul.py``), over ten products in two layers of random
@@ -85,7 +87,7 @@ def test_w8a8_logit_error_against_the_dequantized_model(rng, where):
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (5, 19)]
     forced = [rng.integers(0, TINY.vocab_size, 4).tolist() for _ in prompts]
     config = dict(block_size=16, num_blocks=8, max_num_batched_tokens=32, workspace_size=32)
-    w8a8_set, taken = _w8a8_set(where)
+    w8a8_set, taken = _w8a8_set(where, monkeypatch)
     want, _ = teacher_forced_logits(
         model, EngineConfig(impl=kernels.REFERENCE, **config), prompts, forced
     )

@@ -269,16 +269,15 @@ def test_v3_plan_on_8_gpus():
 
 
 def test_fp8_weight_split_off_block_edges_is_refused():
-    quantization = FP8BlockQuantization((24, 24))
+    quantization = FP8BlockQuantization((24, 16))  # 24 outputs x 16 inputs a block
     path = ("layers", "0", "self_attn", "q_b_proj", "weight")
     weight = Tensor(path, (1, 128, 32), np.dtype(jnp.float8_e4m3fn), path)  # [L, out, in]
     scale_path = (*path[:-1], "weight_scale_inv")
-    # 128 output columns in 6 blocks of 24: two devices take 3 blocks' scales but 64 columns
-    # each.
+    # 128 outputs in 6 blocks of 24: two devices take 3 blocks' scales but 64 outputs each.
     scale = Tensor(scale_path, memory_plan.fp8_scale_shape(path, weight.shape, quantization),
                    np.dtype(np.float32), path)  # fmt: skip
     assert scale.shape == (1, 6, 2)
-    with pytest.raises(ValueError, match=r"q_b_proj/weight .* not whole 24 x 24 blocks"):
+    with pytest.raises(ValueError, match=r"q_b_proj/weight .* not whole 24 x 16 blocks"):
         memory_plan.weight_bytes([weight, scale], Layout(1, 2), quantization)
     # 4 devices: the 6 scale rows do not split at all.
     with pytest.raises(ValueError, match=r"q_b_proj/weight_scale_inv \[1, 6, 2\] does not split"):

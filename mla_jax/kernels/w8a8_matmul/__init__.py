@@ -1,9 +1,10 @@
-"""The matmul of few rows (decode's projections, ``[M <= 64, K]``) against an FP8 weight in
-HF's ``[N, K]`` layout with DeepSeek's 128 x 128 block scales, on Hopper's FP8 tensor cores
-with the activations quantized per token and 128 columns (w8a8, as DeepSeek's inference
-runs it), and its pure-jnp reference (``reference.w8a8_matmul``, the same signature). The
-Hopper kernel set runs it for decode's rows over the projections where it ``pays_off``; the
-other FP8 products convert the weight's tiles into 16 bits (``fp8_matmul``)."""
+"""The matmul of ``x [M, K]`` and an FP8 weight in HF's ``[N, K]`` layout with DeepSeek's
+128 x 128 block scales on Hopper's FP8 tensor cores, the activations quantized per token and
+128 columns (w8a8, as DeepSeek's inference runs it), and its pure-jnp reference
+(``reference.w8a8_matmul``, the same signature). The Hopper kernel set runs it for decode's
+rows (up to ``MAX_ROWS``) over the projections where it ``pays_off``; a prefill's rows, which
+it also takes, are not yet measured; the other FP8 products convert the weight's tiles into
+16 bits (``fp8_matmul``)."""
 
 from __future__ import annotations
 

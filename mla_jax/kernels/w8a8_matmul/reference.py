@@ -22,7 +22,7 @@ def w8a8_matmul(
     """``quantized(x) @ dequantize(weight, scale_inv)^T``.
 
     Args:
-      x: ``[M, K]`` bfloat16, M up to ``MAX_ROWS``.
+      x: ``[M, K]`` bfloat16.
       weight: ``[N, K]`` float8_e4m3fn; scale_inv: ``[N / 128, K / 128]`` float32. With
         ``layer`` (an int32 scalar, may be traced), stacks ``[L, N, K]`` and ``[L, ...]`` of
         which that layer is used.
