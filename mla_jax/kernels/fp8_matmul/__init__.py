@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # Up to this many rows (decode) the Pallas kernel streams the fp8 weight once; above it
 # (prefill) a bf16 temporary of the weight and cuBLAS win: on an H200 the kernel is 3-5x
 # cuBLAS's bf16 time at 8192 rows, the temporary plus cuBLAS about 1.1x, and at 64 rows the
-# temporary alone costs 2-3x the bf16 matmul (benchmarks/fp8_matmul.json).
+# temporary alone costs 2-3x the bf16 matmul (benchmarks/fp8_matmul.json, of the kernel
+# over [K, N] weights, before it read HF's [N, K]; not yet measured again).
 PALLAS_MAX_ROWS = 256
 
 
