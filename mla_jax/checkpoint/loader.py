@@ -127,14 +127,14 @@ def hf_tensors(
             hf_shape = (part_shape[0] * part_shape[1], part_shape[2])
             slots.append(TensorSlot(name, (i,), axes, hf_shape, (part_shape, part_index)))
         elif qkv_a:
+            # The module's outputs: columns of a kernel [in, out], rows of an FP8 weight
+            # [out, in] (HF's layout).
+            transposed = _is_transposed(path)
+            index, axes = ((slice(None),), (1, 0)) if transposed else ((), (0, 1))
             for module, columns in qkv_a:
                 name = f"{prefix}.self_attn.{module}.weight"
-                if _is_transposed(path):  # kernel [in, out]: the module's output columns
-                    hf_shape = (columns.stop - columns.start, shape[1])
-                    slots.append(TensorSlot(name, (i, slice(None), columns), (1, 0), hf_shape))
-                else:  # an FP8 weight [out, in], HF's layout: its rows
-                    hf_shape = (columns.stop - columns.start, shape[2])
-                    slots.append(TensorSlot(name, (i, columns), (0, 1), hf_shape))
+                hf_shape = (columns.stop - columns.start, shape[1 if transposed else 2])
+                slots.append(TensorSlot(name, (i, *index, columns), axes, hf_shape))
         elif parts[2:4] == ["mlp", "experts"]:
             fused = f"{prefix}.mlp.experts.{parts[4]}" in available
             for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):

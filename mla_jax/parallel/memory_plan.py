@@ -158,10 +158,9 @@ def fp8_scale_shape(
     cdiv(in, bi)]``; a routed experts' stack ``[..., in, out]`` (HF's transposed) ``[...,
     cdiv(in, bi), cdiv(out, bo)]``, its ``gate_up_proj`` holding gate and up side by side,
     each with its own grid: ``2 x cdiv(I, bo)`` columns."""
-    bo, bi = quantization.weight_block_size
     if path[-1] == "weight":
-        *lead, n_out, n_in = shape
-        return (*lead, math.ceil(n_out / bo), math.ceil(n_in / bi))
+        return (*shape[:-2], *quantization.scale_shape(shape[-2:]))
+    bo, bi = quantization.weight_block_size
     *lead, n_in, n_out = shape
     halves = 2 if tuple(path[-2:]) == ("experts", "gate_up_proj") else 1
     return (*lead, math.ceil(n_in / bi), halves * math.ceil(n_out // halves / bo))

@@ -62,14 +62,18 @@ def _case(rng, m, k, n):
     return x, weight, jnp.asarray(scale_inv), exact
 
 
-def _check(got, x, exact_weight):
-    """``got [M, N]`` against the quantized x times the exact weight, in float64."""
-    lhs = _quantized_rows(np.asarray(x, np.float32))
+def _check(got, x, exact_weight, *, quantized=True, accumulation=None):
+    """``got [M, N]`` against x (``quantized``: rounded as w8a8 rounds it) times the exact
+    weight, in float64: within one bf16 spacing plus ``accumulation`` (default
+    ``ACCUMULATION``) of sum |x||w|."""
+    lhs = np.asarray(x, np.float32).astype(np.float64)
+    lhs = _quantized_rows(lhs) if quantized else lhs
     want = lhs @ exact_weight.T
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape
     spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
-    bound = spacing + ACCUMULATION * (np.abs(lhs) @ np.abs(exact_weight).T)
+    accumulation = ACCUMULATION if accumulation is None else accumulation
+    bound = spacing + accumulation * (np.abs(lhs) @ np.abs(exact_weight).T)
     excess = np.abs(got - want) - bound
     assert np.isfinite(got).all() and excess.max() <= 0, f"worst excess {excess.max():.3g}"
 
@@ -173,11 +177,7 @@ def test_hopper_set_runs_decode_projections_on_w8a8(rng, monkeypatch, caplog):
         if on_w8a8:
             _check(got, x, exact)
         else:  # x as it is; the dequantized weight rounded to bf16 (half a spacing, 2^-9)
-            lhs = np.asarray(x, np.float64)
-            want = lhs @ exact.T
-            spacing = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64) * 2.0**16
-            bound = spacing + 2.0**-9 * (np.abs(lhs) @ np.abs(exact).T)
-            assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), (m, n, blocks)
+            _check(got, x, exact, quantized=False, accumulation=2.0**-9)
         assert calls == ([1] if on_w8a8 else []), (m, n, blocks)
     assert "fp8_matmul: w8a8 (x quantized to e4m3" in caplog.text
     assert "[192, 256] not on w8a8 (weight [192, 256] is not whole 128 x 128" in caplog.text
