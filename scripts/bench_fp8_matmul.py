@@ -1,20 +1,20 @@
 """FP8 weights kept FP8 vs bf16 weights, on the GPU, in one run: DeepSeek-V3's MoE layer
 (router, routed experts through the grouped matmul, shared experts) at decode (64 tokens) and
 at prefill (8192 tokens), and its dense projections (attention's q_a, q_b, kv_a, o_proj; a
-dense layer's MLP) at 1, 64 and 8192 tokens. Random weights with 128 x 128 block scales;
+dense layer's MLP) at 1, 64, 512 and 8192 tokens. Random weights with 128 x 128 block scales;
 bf16 activations.
 
     python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
-set's: for the projections, their FP8 weights in HF's ``[N, K]`` layout, w8a8 at decode's
-rows on a Hopper GPU, else ``fp8_matmul.fastest``; the grouped matmul with the tuned FP8
-configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at prefill),
-its relative error against the reference (the weights dequantized, then one matmul), and for
-the projections the paths the product did not pick at that row count: the Pallas kernel, or
-the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS), and w8a8 at a
-prefill's rows; for the MoE layer at prefill, its experts on the Triton grouped matmul (the
-Hopper kernel set runs FP8 experts there on the Mosaic GPU one).
+set's: for the projections, their FP8 weights in HF's ``[N, K]`` layout, w8a8 on a Hopper
+GPU where it takes the weight, else ``fp8_matmul.fastest``; the grouped matmul with the
+tuned FP8 configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at
+prefill), its relative error against the reference (the weights dequantized, then one
+matmul), and for the projections the paths the product did not pick at that row count: the
+Pallas kernel, or the weight dequantized into a bf16 temporary then XLA's dot (cuBLAS), and
+w8a8; for the MoE layer at prefill, its experts on the Triton grouped matmul (the Hopper
+kernel set runs FP8 experts there on the Mosaic GPU one).
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -76,7 +76,7 @@ FULL = Sizes(
     },
     tokens=(64, 8192),
     blocks=BLOCKS,
-    projection_tokens=(1, 64, 8192),
+    projection_tokens=(1, 64, 512, 8192),
 )
 SMOKE = Sizes(
     moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64),
@@ -243,13 +243,14 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             error_fns = (kernel_fn, _fp8_product("reference", weight, scale_inv, blocks))
             r = _compare(_jitted(bf16, "pallas"), kernel_fn, args, error_fns)
             # The paths the product did not take at this row count: where the Hopper set
-            # runs w8a8 (decode's rows), the Triton kernel; elsewhere the Triton set's other
-            # path, and w8a8 where it runs.
+            # runs w8a8, the weight-only path fp8_matmul.fastest takes at these rows;
+            # elsewhere fastest's other path, and w8a8 where it runs.
             w8a8_runs = w8a8.unsupported(args[0][0], weight, scale_inv) is None
+            fastest = "pallas" if tokens <= fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
             if w8a8_runs and w8a8.pays_off(args[0][0]):
-                others = ["pallas"]
+                others = [fastest]
             else:
-                others = ["pallas" if tokens > fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"]
+                others = ["dequant+cuBLAS" if fastest == "pallas" else "pallas"]
                 others += ["w8a8"] if w8a8_runs else []
             r["others"] = []
             for other in others:
@@ -341,14 +342,13 @@ def tables(args) -> None:
             "prefill, on a Hopper GPU, the Mosaic GPU kernel; the FP8 experts "
             "stacked as two layers', as a model stacks them: one V3 layer's FP8 down_proj, "
             "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
-            "projections (their FP8 weights in HF's [N, K] layout): on a Hopper GPU up to "
-            f"{w8a8.MAX_ROWS} rows w8a8 (x quantized to e4m3 per row and 128 columns, e4m3 "
-            "wgmmas; its rel err is mostly x's rounding) where it takes the weight, else "
-            f"fp8_matmul.fastest (the Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above "
-            "them the weight dequantized into a bf16 temporary, then XLA's dot). Alternatives "
-            "(10 calls): where w8a8 ran, the Pallas kernel; elsewhere the projection's other "
-            "fastest path at that row count and w8a8 where it takes the product (at a "
-            "prefill's rows in 128-row tiles, in no kernel set yet). The MoE layer at "
+            "projections (their FP8 weights in HF's [N, K] layout): on a Hopper GPU w8a8 "
+            "(x quantized to e4m3 per row and 128 columns, e4m3 wgmmas; its rel err is "
+            "mostly x's rounding) where it takes the weight, else fp8_matmul.fastest (the "
+            f"Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above them the weight "
+            "dequantized into a bf16 temporary, then XLA's dot). Alternatives (10 calls): "
+            "where w8a8 ran, the path fastest takes at that row count; elsewhere fastest's "
+            "other path and w8a8 where it takes the product. The MoE layer at "
             "prefill: the Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; "
             "alternative: the Triton grouped matmul. Times: medians of the summed CUPTI kernel "
             "durations of warm calls over 3 rotating inputs.",

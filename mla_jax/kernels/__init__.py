@@ -146,9 +146,10 @@ def _hopper_grouped_matmul(
 
 
 def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-    """Decode's rows over an FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3 wgmmas,
-    x quantized per token and 128 columns) where the kernel takes the weight, the Triton FP8
-    kernel (``fp8_matmul.fastest``) elsewhere; either choice for such a product said once."""
+    """bf16 rows over an FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3 wgmmas, x
+    quantized per token and 128 columns) where the kernel takes the weight,
+    ``fp8_matmul.fastest`` (weight-only) elsewhere; either choice for such a product said
+    once."""
     if w8a8_matmul.pays_off(x):
         shape = list(weight.shape[-2:])
         reason = (
@@ -160,14 +161,14 @@ def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
             mosaic_gpu.log_once(
                 log,
                 f"fp8_matmul: w8a8 (x quantized to e4m3 per token and 128 columns, FP8 tensor "
-                f"cores) for {shape} at up to {w8a8_matmul.MAX_ROWS} rows",
+                f"cores) for {shape}",
             )
             return w8a8_matmul.w8a8_matmul(x, weight, scale_inv, layer=layer)
         mosaic_gpu.log_once(log, f"fp8_matmul: {shape} not on w8a8 ({reason})")
     return fp8_matmul.fastest(x, weight, scale_inv, blocks=blocks, layer=layer)
 
 
-# Hopper (sm90): decode, prefill, FP8 experts at prefill and FP8 projections at decode on
+# Hopper (sm90): decode, prefill, FP8 experts at prefill and FP8 projections of bf16 rows on
 # Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
 # matmuls are Triton's.
 MOSAIC_GPU = TRITON._replace(

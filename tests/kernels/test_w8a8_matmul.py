@@ -98,6 +98,8 @@ def test_quantize_rows_matches_numpy(rng):
         (64, 512, 128, Config(stages=2, splits=2)),  # a full tile, two stages of two steps
         (130, 256, 256, Config(stages=2)),  # 128-row tiles (two warpgroups), the last of 2 rows
         (130, 256, 256, Config(splits=1)),  # one slice: the output in bf16 from the kernel
+        # 3 row tiles x 5 column blocks in bands of 2, 2 and 1: every tile written once
+        (300, 256, 640, Config(tile_width=2, splits=1)),
     ],
 )
 def test_matches_float64(rng, m, k, n, config):
@@ -140,11 +142,11 @@ def test_quantization_error_against_bf16_activations(rng):
 
 
 @mosaic_gpu_runs
-def test_hopper_set_runs_decode_projections_on_w8a8(rng, monkeypatch, caplog):
-    """The Hopper set's FP8 matmul: a stack's traced layer at decode's rows on w8a8 (the
-    other layer NaN); more rows than the kernel takes, a weight of partial blocks, and
-    blocks other than 128 x 128 on the Triton kernel (weight-only: the product of x as it
-    is), the choices said once."""
+def test_hopper_set_runs_projections_on_w8a8(rng, monkeypatch, caplog):
+    """The Hopper set's FP8 matmul: a stack's traced layer on w8a8 at decode's rows and at
+    more (the other layer NaN); float32 x, a weight of partial blocks, and blocks other
+    than 128 x 128 on the Triton kernel (weight-only: the product of x as it is), the
+    choices said once."""
     from mla_jax import kernels
     from mla_jax.kernels import fp8_blocks
 
@@ -159,14 +161,16 @@ def test_hopper_set_runs_decode_projections_on_w8a8(rng, monkeypatch, caplog):
 
     run = jax.jit(run, static_argnames="blocks")
     whole = fp8_blocks.Fp8Blocks(128, 128)
-    for m, n, blocks, on_w8a8 in (
-        (16, 256, whole, True),
-        (w8a8.MAX_ROWS + 8, 256, whole, False),
-        (16, 192, whole, False),
-        (16, 256, fp8_blocks.Fp8Blocks(64, 128), False),
+    for m, n, blocks, dtype, on_w8a8 in (
+        (16, 256, whole, BF16, True),
+        (w8a8.MAX_ROWS + 8, 256, whole, BF16, True),
+        (16, 256, whole, jnp.float32, False),
+        (16, 192, whole, BF16, False),
+        (16, 256, fp8_blocks.Fp8Blocks(64, 128), BF16, False),
     ):
         calls.clear()
         x, weight, scale_inv, exact = _case(rng, m, 256, -(-n // 128) * 128)
+        x = x.astype(dtype)
         weight, exact = weight[:n], exact[:n]  # 192: a partial block of 64 rows
         if blocks != whole:  # the same weight, its scales repeated per 64 rows
             scale_inv = jnp.repeat(scale_inv, 2, axis=0)
@@ -178,7 +182,7 @@ def test_hopper_set_runs_decode_projections_on_w8a8(rng, monkeypatch, caplog):
             _check(got, x, exact)
         else:  # x as it is; the dequantized weight rounded to bf16 (half a spacing, 2^-9)
             _check(got, x, exact, quantized=False, accumulation=2.0**-9)
-        assert calls == ([1] if on_w8a8 else []), (m, n, blocks)
+        assert calls == ([1] if on_w8a8 else []), (m, n, blocks, dtype)
     assert "fp8_matmul: w8a8 (x quantized to e4m3" in caplog.text
     assert "[192, 256] not on w8a8 (weight [192, 256] is not whole 128 x 128" in caplog.text
     assert "[256, 256] not on w8a8 (its weight blocks are not 128 x 128)" in caplog.text
@@ -227,6 +231,11 @@ def test_refuses(x, weight, scales, config, message):
     args = (jnp.zeros(x, BF16), jnp.zeros(weight, FP8), jnp.ones(scales, jnp.float32))
     with pytest.raises(ValueError, match=message):
         w8a8.w8a8_matmul(*args, config=config)
+
+
+def test_refuses_configs():
+    with pytest.raises(ValueError, match="stages and tile_width of at least 1, got 6 and 0"):
+        Config(tile_width=0)
 
 
 def test_refuses_stacks_without_layer_and_layers_out_of_range():

@@ -28,7 +28,7 @@ def _w8a8_set(where: str, monkeypatch):
     """The reference kernels, the FP8 projections on w8a8 where it takes the product, on the
     dequantized weight elsewhere: ``"kernel"``, the Hopper set's FP8 matmul as it ships
     (``kernels._hopper_fp8_matmul``); ``"reference"``, the same choice (128 x 128 blocks,
-    bf16 x of up to 64 rows, whole blocks) made here for w8a8's reference. ``taken``
+    bf16 x, whole blocks) made here for w8a8's reference. ``taken``
     records which ``[N, K]`` weights went to w8a8."""
     taken = set()
     if where == "kernel":

@@ -34,9 +34,13 @@ __all__ = [
 
 def pays_off(x: jnp.ndarray) -> bool:
     """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
-    kernel takes the weight): decode's rows (up to ``MAX_ROWS``) of bfloat16. On V3's
-    projections at 1, 16 and 64 rows it beat the Triton FP8 kernel in 17 of 18 cases (0.54-
-    0.98x its time; the shared experts' gate_proj at 16 rows: 12.2 against 12.0 us) and the
-    bf16 weight on the wide ones (o_proj, the dense MLP: 0.70-0.85x; H200, 2026-12-06,
-    ``benchmarks/skinny_matmul_fp8.json``)."""
-    return x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16
+    kernel takes the weight): bfloat16 rows, any number.
+
+    At decode's rows, on V3's projections at 1, 16 and 64 rows, it beat the Triton FP8
+    kernel in 17 of 18 cases (0.54-0.98x its time; the shared experts' gate_proj at 16 rows:
+    12.2 against 12.0 us) and the bf16 weight on the wide ones (o_proj, the dense MLP:
+    0.70-0.85x; H200, 2026-12-06, ``benchmarks/skinny_matmul_fp8.json``). At a prefill's
+    8192 rows it took 0.86x (o_proj) and 0.79x (gate_proj) the time of the weight
+    dequantized into a bf16 temporary then cuBLAS, which ``fp8_matmul.fastest`` runs there,
+    and 0.92x and 0.84x the bf16 weight's (H100, 2026-12-06, a trial script)."""
+    return x.dtype == jnp.bfloat16

@@ -8,7 +8,10 @@ FP8 kernels (``fp8_matmul``, ``skinny_matmul``, ``grouped_matmul``) convert each
 into 16 bits before a 16-bit MMA, which at 64 rows left them at 1.08-1.60x the bf16 weight's
 time (``skinny_matmul_fp8.json`` of 2026-12-04). A program owns a tile of x's rows
 (``row_tile``: 64 for up to 64 rows, decode's, else 128), 128 output columns (one weight
-scale block) and one of ``splits`` slices of K; a memory warpgroup streams the slice's
+scale block) and one of ``splits`` slices of K; the tiles are numbered in bands of
+``tile_width`` column blocks, down every row tile and back up the next band, so that the
+programs resident at once share x's row tiles and the weight's column blocks in L2; a memory
+warpgroup streams the slice's
 ``[128, 128]`` e4m3 weight tiles, the matching ``[row_tile, 128]`` tiles of quantized x and
 x's scales of the step by TMA, ``stages`` steps ahead, and each of ``row_tile / 64`` compute
 warpgroups multiplies its 64 rows of a step (on the wgmma's M side; x's rows padded to the
@@ -59,13 +62,23 @@ class W8A8MatmulConfig:
       tile of x); fewer where shared memory holds fewer (``stages``).
     splits: slices of K (None: the fewest of ``SPLITS`` that give ``PROGRAMS_PER_SM``
       programs a multiprocessor, else the most that divide K's steps).
+    tile_width: column blocks in a band of the programs' order (``plgpu.planar_snake``);
+      with one row tile (decode) the order is the columns'.
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
     """
 
     stages: int = 6
     splits: int | None = None
+    tile_width: int = 8
     approx_math: bool = True
     auto_barriers: bool = False
+
+    def __post_init__(self):
+        if self.stages < 1 or self.tile_width < 1:
+            raise ValueError(
+                f"W8A8MatmulConfig: stages and tile_width of at least 1, got {self.stages} "
+                f"and {self.tile_width}"
+            )
 
 
 def check(
@@ -215,14 +228,20 @@ def w8a8_matmul(
     rows = row_tile(m)
     out_dtype = x.dtype if slices == 1 else jnp.float32
     compute_warpgroups = rows // MAX_ROWS
+    tiles = (values.shape[0] // rows, n // BLOCK)
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel, slices=slices, rows=rows, stages=stages(m, k // BLOCK, slices, config)
+            _kernel,
+            slices=slices,
+            rows=rows,
+            stages=stages(m, k // BLOCK, slices, config),
+            tiles=tiles,
+            tile_width=config.tile_width,
         ),
         out_type=jax.ShapeDtypeStruct((slices, *values.shape[:1], n), out_dtype),
         scratch_types=dict(out_smem=plgpu.SMEM((rows, BLOCK), out_dtype)),
-        grid=(n // BLOCK, values.shape[0] // rows, slices),
-        grid_names=("n", "m", "split"),
+        grid=(tiles[0] * tiles[1], slices),
+        grid_names=("tile", "split"),
         num_threads=compute_warpgroups + 1,  # one warpgroup copies, the others multiply
         thread_name="wg",
         **mosaic_gpu.kernel_options(config, interpret, compute_warpgroups + 1),
@@ -244,14 +263,19 @@ def _kernel(
     slices: int,
     rows: int,
     stages: int,
+    tiles: tuple[int, int],
+    tile_width: int,
 ):
-    """One program: the output's columns ``n`` and row tile ``m`` from slice ``split`` of K,
-    ``[rows, BLOCK]``, of the stacked weight ``w_gmem [L, N, K]``'s layer ``layer_gmem [1]``;
-    each compute warpgroup ``wg`` its 64 rows."""
+    """One program: tile ``tile`` of the output's ``tiles`` (row tiles, column blocks) from
+    slice ``split`` of K, ``[rows, BLOCK]``, of the stacked weight ``w_gmem [L, N, K]``'s
+    layer ``layer_gmem [1]``; each compute warpgroup ``wg`` its 64 rows."""
     steps = x_gmem.shape[1] // BLOCK // slices
     split = lax.axis_index("split")
-    column_block = lax.axis_index("n")
-    row_block = lax.axis_index("m")
+    tile = lax.axis_index("tile")
+    if tiles[0] == 1:
+        row_block, column_block = 0, tile
+    else:
+        row_block, column_block = plgpu.planar_snake(tile, tiles, 1, tile_width)
     first_step = split * steps
     acc_shape = (MAX_ROWS, BLOCK)
     layer = layer_gmem[0]
