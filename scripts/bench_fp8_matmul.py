@@ -168,10 +168,31 @@ def _compare(bf16_fn, fp8_fn, args_sets, error_fns) -> dict:
     return {"bf16": bf16, "fp8": fp8, "ratio": fp8.us / bf16.us, "rel_err": error}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_array(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Normal values over ``sqrt(shape[-2])`` (a weight's fan-in in ``[..., in, out]``) in
+    ``dtype``, made one leading slice at a time where there are three or more axes: V3's
+    experts drawn whole would need float32 temporaries of their own size (28 GiB for one
+    layer's gate_up_proj), more than an H100 has beside the layers."""
+    std = shape[-2] ** -0.5 if len(shape) > 1 else 0.01
+    if len(shape) < 3:
+        return (std * jax.random.normal(key, shape)).astype(dtype)
+    return jax.lax.map(
+        lambda k: (std * jax.random.normal(k, shape[1:])).astype(dtype),
+        jax.random.split(key, shape[0]),
+    )
+
+
 def _moe_layer(cfg: MoEConfig, blocks: tuple[int, int] | None) -> MoE:
     """V3's MoE layer with random weights (FP8 with block scales when ``blocks``) and a
-    random score-correction bias."""
-    layer = MoE(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+    random score-correction bias, its weights made by ``_random_array``."""
+    layer = nnx.eval_shape(
+        lambda: MoE(cfg, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), fp8_blocks=blocks)
+    )
+    key = jax.random.key(0)
+    for _, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        key, sub = jax.random.split(key)
+        var.value = _random_array(sub, var.shape, var.dtype)
     if blocks:
         layer = _fp8_state(layer, 1)
     bias = 0.01 * jax.random.normal(jax.random.key(2), (cfg.n_routed_experts,))
