@@ -68,10 +68,11 @@ def _fp8_tiny_model(rng) -> DeepseekModel:
 
 @pytest.mark.parametrize("where", ["reference", pytest.param("kernel", marks=pytest.mark.gpu)])
 def test_w8a8_logit_error_against_the_dequantized_model(rng, where, monkeypatch):
-    """The logits' relative L2 error (printed), within 6-12%: measured 8.7-9.1% on the CPU
-    over four seeds. The e4m3 rounding of each projection's input is all that differs: 2.5%
-    a product (``test_w8a8_matmul.py``), over ten products in two layers of random
-    weights."""
+    """The logits' relative L2 error (printed): measured 8.7-9.1% with the reference on the
+    CPU over four seeds (bound 6-12%) and 11.37% with the kernel compiled (H100, 2026-12-06,
+    seed 0; bound 8-14%; the gap to the reference's figure is not yet explained). The e4m3
+    rounding of each projection's input is what w8a8 changes: 2.5% a product
+    (``test_w8a8_matmul.py``), over ten products in two layers of random weights."""
     if where == "reference" and jax.default_backend() == "gpu":
         # Jitted whole on an H100 the reference's logits equaled the dequantized model's
         # (error 0.0, 2026-12-06): XLA's GPU compiler may drop x's round trip through e4m3
@@ -97,4 +98,5 @@ def test_w8a8_logit_error_against_the_dequantized_model(rng, where, monkeypatch)
     assert taken == {(1024, 128), (256, 512), (512, 256)}
     error = rel_err(np.concatenate(got), np.concatenate(want))
     print(f"w8a8 ({where}): logits' relative L2 error against the dequantized model {error:.2%}")
-    assert 0.06 < error < 0.12, error
+    low, high = (0.06, 0.12) if where == "reference" else (0.08, 0.14)
+    assert low < error < high, error
