@@ -3,8 +3,8 @@ columns, as DeepSeek's inference runs its FP8 projections) costs in a whole mode
 the built-in tiny model with FP8 weights (128 x 128 blocks, random scales), bf16, its
 projections on w8a8 wherever the kernel takes them, against the same FP8 model with every
 projection on the dequantized weight (the reference kernels), teacher-forced through the
-engine (prefill, then decodes). On the CPU w8a8 is its reference; on a GPU the Mosaic GPU
-kernel, compiled."""
+engine (prefill, then decodes): with w8a8's reference, and with the Hopper set's choice of
+kernel (the Mosaic GPU kernel compiled on a GPU, interpreted elsewhere on jax >= 0.11)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import mosaic_gpu_runs, rel_err
 from flax import nnx
 from teacher_forcing import teacher_forced_logits
 
@@ -66,13 +66,14 @@ def _fp8_tiny_model(rng) -> DeepseekModel:
     return model
 
 
-@pytest.mark.parametrize("where", ["reference", pytest.param("kernel", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("where", ["reference", pytest.param("kernel", marks=mosaic_gpu_runs)])
 def test_w8a8_logit_error_against_the_dequantized_model(rng, where, monkeypatch):
-    """The logits' relative L2 error (printed): measured 8.7-9.1% with the reference on the
-    CPU over four seeds (bound 6-12%) and 11.37% with the kernel compiled (H100, 2026-12-06,
-    seed 0; bound 8-14%; the gap to the reference's figure is not yet explained). The e4m3
-    rounding of each projection's input is what w8a8 changes: 2.5% a product
-    (``test_w8a8_matmul.py``), over ten products in two layers of random weights."""
+    """The logits' relative L2 error (printed), within 7-14%. Each variant draws its own
+    scales and tokens (``rng`` follows the test's id): the reference's gave 8.87% (8.7-9.1%
+    over four MLA_TEST_SEEDs), the kernel's 11.20% interpreted and 11.37% compiled (H100,
+    2026-12-06); on one set of inputs the reference and the interpreted kernel both gave
+    11.34%. The e4m3 rounding of each projection's input is what w8a8 changes: 2.5% a
+    product (``test_w8a8_matmul.py``), over ten products in two layers of random weights."""
     if where == "reference" and jax.default_backend() == "gpu":
         # Jitted whole on an H100 the reference's logits equaled the dequantized model's
         # (error 0.0, 2026-12-06): XLA's GPU compiler may drop x's round trip through e4m3
@@ -98,5 +99,4 @@ def test_w8a8_logit_error_against_the_dequantized_model(rng, where, monkeypatch)
     assert taken == {(1024, 128), (256, 512), (512, 256)}
     error = rel_err(np.concatenate(got), np.concatenate(want))
     print(f"w8a8 ({where}): logits' relative L2 error against the dequantized model {error:.2%}")
-    low, high = (0.06, 0.12) if where == "reference" else (0.08, 0.14)
-    assert low < error < high, error
+    assert 0.07 < error < 0.14, error

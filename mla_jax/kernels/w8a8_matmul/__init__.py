@@ -1,10 +1,9 @@
 """The matmul of ``x [M, K]`` and an FP8 weight in HF's ``[N, K]`` layout with DeepSeek's
 128 x 128 block scales on Hopper's FP8 tensor cores, the activations quantized per token and
 128 columns (w8a8, as DeepSeek's inference runs it), and its pure-jnp reference
-(``reference.w8a8_matmul``, the same signature). The Hopper kernel set runs it for decode's
-rows (up to ``MAX_ROWS``) over the projections where it ``pays_off``; a prefill's rows, which
-it also takes, are not yet measured; the other FP8 products convert the weight's tiles into
-16 bits (``fp8_matmul``)."""
+(``reference.w8a8_matmul``, the same signature). The Hopper kernel set runs it over the
+projections whose bf16 rows it takes (``pays_off``); the other FP8 products convert the
+weight's tiles into 16 bits (``fp8_matmul``)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 from . import reference
 from .pallas_mosaic_gpu import (
     BLOCK,
-    MAX_ROWS,
+    WARPGROUP_ROWS,
     W8A8MatmulConfig,
     quantize_rows,
     unsupported,
@@ -23,7 +22,7 @@ from .pallas_mosaic_gpu import (
 __all__ = [
     "reference",
     "BLOCK",
-    "MAX_ROWS",
+    "WARPGROUP_ROWS",
     "W8A8MatmulConfig",
     "pays_off",
     "quantize_rows",
@@ -40,7 +39,7 @@ def pays_off(x: jnp.ndarray) -> bool:
     kernel in 17 of 18 cases (0.54-0.98x its time; the shared experts' gate_proj at 16 rows:
     12.2 against 12.0 us) and the bf16 weight on the wide ones (o_proj, the dense MLP:
     0.70-0.85x; H200, 2026-12-06, ``benchmarks/skinny_matmul_fp8.json``). At a prefill's
-    8192 rows it took 0.86x (o_proj) and 0.79x (gate_proj) the time of the weight
+    8192 rows it took 0.84x (o_proj) and 0.79x (gate_proj) the time of the weight
     dequantized into a bf16 temporary then cuBLAS, which ``fp8_matmul.fastest`` runs there,
-    and 0.92x and 0.84x the bf16 weight's (H100, 2026-12-06, a trial script)."""
+    and 0.90x and 0.84x the bf16 weight's (H100, 2026-12-06, a trial script)."""
     return x.dtype == jnp.bfloat16

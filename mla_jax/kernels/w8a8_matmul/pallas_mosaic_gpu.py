@@ -9,7 +9,7 @@ into 16 bits before a 16-bit MMA, which at 64 rows left them at 1.08-1.60x the b
 time (``skinny_matmul_fp8.json`` of 2026-12-04). A program owns a tile of x's rows
 (``row_tile``: 64 for up to 64 rows, decode's, else 128), 128 output columns (one weight
 scale block) and one of ``splits`` slices of K; the tiles are numbered in bands of
-``tile_width`` column blocks, down every row tile and back up the next band, so that the
+``band`` column blocks, down every row tile and back up the next band, so that the
 programs resident at once share x's row tiles and the weight's column blocks in L2; a memory
 warpgroup streams the slice's
 ``[128, 128]`` e4m3 weight tiles, the matching ``[row_tile, 128]`` tiles of quantized x and
@@ -22,9 +22,10 @@ the output in x's dtype; XLA sums several slices' float32 parts.
 
 Numerics: x's rounding to e4m3 (3 mantissa bits) puts the product about 2.5% (relative L2)
 from ``x @ dequantize(weight)`` on normal inputs; against x's e4m3 values the products are
-exact, each step's sum keeps about 14 bits in the wgmma (compiled on an H100 the error was
-at most 2.4e-5 of sum |x||w| past the bf16 output's rounding) and the float32 sum of the
-steps adds its own rounding.
+exact, each step's sum keeps about 14 bits in the wgmma (compiled on an H100, past the bf16
+output's rounding, the error was at most 1.77e-4 of the steps' sums |x||w| combined in L2,
+at K = 256; ``tests/kernels/test_w8a8_matmul.py``) and the float32 sum of the steps adds its
+own rounding.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .. import fp8, matmul_steps, mosaic_gpu, online_softmax
 from ..decode import device_num_sms
 
-MAX_ROWS = 64  # decode's rows: one warpgroup's 64-row tile on the wgmma's M side
+WARPGROUP_ROWS = 64  # a compute warpgroup's rows: the wgmma's M side; a program's up to 64
 BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
 # and a program's columns; 128 e4m3 values are one 128-byte swizzled row
 SPLITS = (1, 2, 4, 8, 16)
@@ -62,25 +63,25 @@ class W8A8MatmulConfig:
       tile of x); fewer where shared memory holds fewer (``stages``).
     splits: slices of K (None: the fewest of ``SPLITS`` that give ``PROGRAMS_PER_SM``
       programs a multiprocessor, else the most that divide K's steps).
-    tile_width: column blocks in a band of the programs' order (``plgpu.planar_snake``);
+    band: column blocks in a band of the programs' order (``plgpu.planar_snake``);
       with one row tile (decode) the order is the columns'. At 8192 rows of V3's o_proj and
       gate_proj, 8 took 0.98x and 0.99x the time of 1 (row tiles fastest), 16 and 4 within
-      1% of 8, and a band of every column block 1.02x and 1.39x the time of 8 (H100,
+      1% of 8, and one band of every column block 1.02x and 1.39x the time of 8 (H100,
       2026-12-06, a trial; at 512 rows of o_proj 8 was within 2% of the others).
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
     """
 
     stages: int = 6
     splits: int | None = None
-    tile_width: int = 8
+    band: int = 8
     approx_math: bool = True
     auto_barriers: bool = False
 
     def __post_init__(self):
-        if self.stages < 1 or self.tile_width < 1:
+        if self.stages < 1 or self.band < 1:
             raise ValueError(
-                f"W8A8MatmulConfig: stages and tile_width of at least 1, got {self.stages} "
-                f"and {self.tile_width}"
+                f"W8A8MatmulConfig: stages and band of at least 1, got {self.stages} "
+                f"and {self.band}"
             )
 
 
@@ -120,9 +121,9 @@ def check(
 
 
 def row_tile(m: int) -> int:
-    """x's rows a program multiplies: one compute warpgroup's 64 for up to ``MAX_ROWS``
+    """x's rows a program multiplies: one compute warpgroup's 64 for up to 64 rows
     (decode), else two warpgroups' 128 (a step's weight tile read once for both)."""
-    return MAX_ROWS if m <= MAX_ROWS else 2 * MAX_ROWS
+    return WARPGROUP_ROWS if m <= WARPGROUP_ROWS else 2 * WARPGROUP_ROWS
 
 
 def splits(m: int, k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> int:
@@ -230,7 +231,7 @@ def w8a8_matmul(
     values, scales = quantize_rows(x)
     rows = row_tile(m)
     out_dtype = x.dtype if slices == 1 else jnp.float32
-    compute_warpgroups = rows // MAX_ROWS
+    compute_warpgroups = rows // WARPGROUP_ROWS
     tiles = (values.shape[0] // rows, n // BLOCK)
     kernel = plgpu.kernel(
         functools.partial(
@@ -239,7 +240,7 @@ def w8a8_matmul(
             rows=rows,
             stages=stages(m, k // BLOCK, slices, config),
             tiles=tiles,
-            tile_width=config.tile_width,
+            band=config.band,
         ),
         out_type=jax.ShapeDtypeStruct((slices, *values.shape[:1], n), out_dtype),
         scratch_types=dict(out_smem=plgpu.SMEM((rows, BLOCK), out_dtype)),
@@ -267,7 +268,7 @@ def _kernel(
     rows: int,
     stages: int,
     tiles: tuple[int, int],
-    tile_width: int,
+    band: int,
 ):
     """One program: tile ``tile`` of the output's ``tiles`` (row tiles, column blocks) from
     slice ``split`` of K, ``[rows, BLOCK]``, of the stacked weight ``w_gmem [L, N, K]``'s
@@ -278,13 +279,13 @@ def _kernel(
     if tiles[0] == 1:
         row_block, column_block = 0, tile
     else:
-        row_block, column_block = plgpu.planar_snake(tile, tiles, 1, tile_width)
+        row_block, column_block = plgpu.planar_snake(tile, tiles, 1, band)
     first_step = split * steps
-    acc_shape = (MAX_ROWS, BLOCK)
+    acc_shape = (WARPGROUP_ROWS, BLOCK)
     layer = layer_gmem[0]
     # The compute warpgroup's rows of the tile (static where it is the only one).
-    first_row = 0 if rows == MAX_ROWS else lax.axis_index("wg") * MAX_ROWS
-    own_rows = pl.ds(first_row, MAX_ROWS)
+    first_row = 0 if rows == WARPGROUP_ROWS else lax.axis_index("wg") * WARPGROUP_ROWS
+    own_rows = pl.ds(first_row, WARPGROUP_ROWS)
 
     def weight_scale(i):
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
@@ -295,7 +296,7 @@ def _kernel(
         total, _ = run_pipeline((total, weight_scale(0)))
         out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
         plgpu.commit_smem()
-        out_rows = pl.ds(row_block * rows + first_row, MAX_ROWS)
+        out_rows = pl.ds(row_block * rows + first_row, WARPGROUP_ROWS)
         plgpu.copy_smem_to_gmem(
             out_smem.at[own_rows],
             out_gmem.at[split, out_rows, pl.ds(column_block * BLOCK, BLOCK)],
@@ -333,7 +334,7 @@ def _kernel(
             plgpu.BlockSpec((1, rows), lambda i: (i, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=rows // MAX_ROWS,
+        num_compute_wgs=rows // WARPGROUP_ROWS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
     )(
