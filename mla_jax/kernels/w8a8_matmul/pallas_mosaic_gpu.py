@@ -8,17 +8,17 @@ FP8 kernels (``fp8_matmul``, ``skinny_matmul``, ``grouped_matmul``) convert each
 into 16 bits before a 16-bit MMA, which at 64 rows left them at 1.08-1.60x the bf16 weight's
 time (``skinny_matmul_fp8.json`` of 2026-12-04). A program owns a tile of x's rows
 (``row_tile``: 64 for up to 64 rows, decode's, else 128), 128 output columns (one weight
-scale block) and one of ``splits`` slices of K; the tiles are numbered in bands of
-``band`` column blocks, down every row tile and back up the next band, so that the
-programs resident at once share x's row tiles and the weight's column blocks in L2; a memory
-warpgroup streams the slice's
-``[128, 128]`` e4m3 weight tiles, the matching ``[row_tile, 128]`` tiles of quantized x and
-x's scales of the step by TMA, ``stages`` steps ahead, and each of ``row_tile / 64`` compute
-warpgroups multiplies its 64 rows of a step (on the wgmma's M side; x's rows padded to the
-tile) into a fresh float32 accumulator and adds it, times the step's weight scale and each
-row's x scale, to the sum it carries: a new accumulator each 128 deep because the e4m3 wgmma
-keeps only about 14 bits of its running sum (DeepSeek-V3's report, 3.3.2). One slice writes
-the output in x's dtype; XLA sums several slices' float32 parts.
+scale block) and one of ``splits`` slices of K; the tiles are numbered in bands of ``band``
+column blocks, down every row tile and back up the next band, so that the programs resident
+at once share x's row tiles and the weight's column blocks in L2; a memory warpgroup streams
+the slice's ``[128, 128]`` e4m3 weight tiles, the matching ``[row_tile, 128]`` tiles of
+quantized x and x's scales of the step by TMA, ``stages`` steps ahead, and each of
+``row_tile / 64`` compute warpgroups multiplies its 64 rows of a step (on the wgmma's M
+side; x's rows padded to the tile) into a fresh float32 accumulator and adds it, times the
+step's weight scale and each row's x scale, to the sum it carries: a new accumulator each
+128 deep because the e4m3 wgmma keeps only about 14 bits of its running sum (DeepSeek-V3's
+report, 3.3.2). One slice writes the output in x's dtype; XLA sums several slices' float32
+parts.
 
 Numerics: x's rounding to e4m3 (3 mantissa bits) puts the product about 2.5% (relative L2)
 from ``x @ dequantize(weight)`` on normal inputs; against x's e4m3 values the products are
