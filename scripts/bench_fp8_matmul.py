@@ -23,8 +23,9 @@ one matmul and as K split into 2-16 slices (``layers.split_k_dot``), each weight
 stacked ``[layers, K, N]`` array as the decode step reads it, beside the copy bandwidth:
 the measurement behind ``layers.k_splits`` (``benchmarks/tuning/split_k_sweep.json``).
 
-``--smoke``: V3's layer shrunk (hidden 128, 16 experts of width 64, 64 x 64 scale blocks)
-and small projections, few tokens, on the CPU, results under --out only.
+``--smoke``: V3's layer shrunk (hidden 128, 16 experts of width 128, V3's 128 x 128 scale
+blocks) and small projections (w8a8 takes gate_proj's whole blocks where Mosaic GPU's
+interpret mode runs), few tokens, on the CPU, results under --out only.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ FULL = Sizes(
     projection_tokens=(1, 64, 512, 8192),
 )
 SMOKE = Sizes(
-    moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=64),
+    moe=dataclasses.replace(V3, hidden_size=128, n_routed_experts=16, moe_intermediate_size=128),
     projections={
         "q_a_proj": (64, 48),
         "o_proj": (40, 64),
@@ -87,7 +88,7 @@ SMOKE = Sizes(
         "mlp.down_proj": (256, 64),
     },
     tokens=(4, 160),  # 80 rows an expert at prefill: the Mosaic GPU kernel's regime
-    blocks=(64, 64),
+    blocks=(128, 128),  # V3's: w8a8 takes gate_proj, the others end in partial blocks
     projection_tokens=(1, 300),
 )
 
