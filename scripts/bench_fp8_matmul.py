@@ -36,7 +36,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchlib import copy_bandwidth, jsonable, parse_args, parser, row, run, save, sweep, time_us
+from benchlib import (
+    copy_bandwidth,
+    jsonable,
+    parse_args,
+    parser,
+    random_fp8_weight,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 from flax import nnx
 
 from mla_jax import kernels
@@ -131,17 +142,6 @@ ALTERNATIVES = {
     ),
     "w8a8": kernels.TRITON._replace(fp8_matmul=kernels.on_whole_weights(_w8a8_product)),
 }
-
-
-def _fp8_projection(n_in: int, n_out: int, blocks: fp8_blocks.Fp8Blocks, seed: int):
-    """A projection's random FP8 weight in HF's layout, ``[N = n_out, K = n_in]``
-    float8_e4m3fn spanning e4m3's range, and its random ``[N-grid, K-grid]`` float32 block
-    scales (the dequantized weight about ``1 / sqrt(K)``)."""
-    weight_key, scale_key = jax.random.split(jax.random.key(seed))
-    weight = jnp.clip(64 * jax.random.normal(weight_key, (n_out, n_in)), -448, 448)
-    scale_shape = blocks.scale_shape_nk(n_out, n_in)
-    scale_inv = jax.random.uniform(scale_key, scale_shape, jnp.float32, 0.5, 2.0) / 64 / n_in**0.5
-    return weight.astype(fp8_blocks.FP8), scale_inv
 
 
 def _fp8_product(impl, weight: jax.Array, scale_inv: jax.Array, blocks: fp8_blocks.Fp8Blocks):
@@ -259,7 +259,7 @@ def projection_rows(sizes: Sizes) -> list[dict]:
     blocks = fp8_blocks.Fp8Blocks(*sizes.blocks)
     for name, (n_in, n_out) in sizes.projections.items():
         bf16 = Linear(n_in, n_out, jnp.bfloat16, nnx.Rngs(0))
-        weight, scale_inv = _fp8_projection(n_in, n_out, blocks, 1)
+        weight, scale_inv = random_fp8_weight(jax.random.key(1), (n_out, n_in), blocks, nk=True)
         for tokens in sizes.projection_tokens:
             keys = jax.random.split(jax.random.key(tokens), 3)
             args = [(jax.random.normal(k, (tokens, n_in), jnp.bfloat16),) for k in keys]

@@ -30,7 +30,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from benchlib import copy_bandwidth, jsonable, parse_args, parser, row, run, save, sweep, time_us
+from benchlib import (
+    copy_bandwidth,
+    jsonable,
+    parse_args,
+    parser,
+    random_fp8_weight,
+    row,
+    run,
+    save,
+    sweep,
+    time_us,
+)
 
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import fp8_blocks
@@ -208,14 +219,8 @@ def _fp8_stacks(k: int, n: int, rotation_bytes: int) -> list[tuple[jax.Array, ja
     """``[2, K, N]`` e4m3 stacks spanning e4m3's range and their ``[2, K/128, N/128]``
     random scales, as many (3 to 32) as span ``rotation_bytes`` of layer 1."""
     count = min(32, max(3, -(-rotation_bytes // (k * n))))
-    stacks = []
-    for key in jax.random.split(jax.random.key(k * n + 1), count):
-        weight_key, scale_key = jax.random.split(key)
-        weight = jnp.clip(64 * jax.random.normal(weight_key, (2, k, n)), -448, 448)
-        scale_shape = (2, *FP8_BLOCKS.scale_shape(k, n))
-        scale = jax.random.uniform(scale_key, scale_shape, jnp.float32, 0.5, 2.0) / 64 / k**0.5
-        stacks.append((weight.astype(jnp.float8_e4m3fn), scale))
-    return stacks
+    keys = jax.random.split(jax.random.key(k * n + 1), count)
+    return [random_fp8_weight(key, (2, k, n), FP8_BLOCKS) for key in keys]
 
 
 def _fp8_case(fn, x, stacks, want) -> dict:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mla_jax.kernels import mosaic_gpu
+from mla_jax.kernels import fp8_blocks, mosaic_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks")
@@ -39,6 +39,25 @@ SMOKE_DEVICES = 2  # host devices of a smoke run: room for tensor and data paral
 SMOKE_TRIALS = 2  # trials of each sweep in a smoke run: its first and its last
 
 _smoke = False  # set by parse_args for a --smoke run
+
+
+def random_fp8_weight(
+    key: jax.Array, shape: tuple[int, ...], blocks: fp8_blocks.Fp8Blocks, *, nk: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """A random FP8 weight of ``shape`` (``[..., K, N]``, or HF's ``[..., N, K]`` where
+    ``nk``), float8_e4m3fn spanning e4m3's range, and random float32 block scales of its
+    grid (``blocks.scale_shape``, or ``scale_shape_nk``), the dequantized weight about
+    ``1 / sqrt(K)``."""
+    weight_key, scale_key = jax.random.split(key)
+    weight = jnp.clip(64 * jax.random.normal(weight_key, shape), -448, 448)
+    *lead, rows, columns = shape
+    depth, grid = (
+        (columns, blocks.scale_shape_nk(rows, columns))
+        if nk
+        else (rows, blocks.scale_shape(rows, columns))
+    )
+    scale = jax.random.uniform(scale_key, (*lead, *grid), jnp.float32, 0.5, 2.0) / 64 / depth**0.5
+    return weight.astype(fp8_blocks.FP8), scale
 
 
 def machine() -> str:

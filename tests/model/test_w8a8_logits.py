@@ -3,8 +3,9 @@ columns, as DeepSeek's inference runs its FP8 projections) costs in a whole mode
 the built-in tiny model with FP8 weights (128 x 128 blocks, random scales), bf16, its
 projections on w8a8 wherever the kernel takes them, against the same FP8 model with every
 projection on the dequantized weight (the reference kernels), teacher-forced through the
-engine (prefill, then decodes): with w8a8's reference, and with the Hopper set's choice of
-kernel (the Mosaic GPU kernel compiled on a GPU, interpreted elsewhere on jax >= 0.11)."""
+engine (prefill, then decodes). Both variants make the Hopper set's choice of path
+(``kernels._hopper_fp8_matmul``); w8a8 runs as its reference, or as the Mosaic GPU kernel
+(compiled on a GPU, interpreted elsewhere on jax >= 0.11)."""
 
 from __future__ import annotations
 
@@ -19,40 +20,28 @@ from teacher_forcing import teacher_forced_logits
 from mla_jax import kernels
 from mla_jax.checkpoint.tiny import TINY
 from mla_jax.engine.engine import EngineConfig
-from mla_jax.kernels import fp8_blocks, w8a8_matmul
+from mla_jax.kernels import fp8_blocks, mosaic_gpu, w8a8_matmul
 from mla_jax.model.deepseek import DeepseekModel
 from mla_jax.model.layers import Linear
 
 
 def _w8a8_set(where: str, monkeypatch):
-    """The reference kernels, the FP8 projections on w8a8 where it takes the product, on the
-    dequantized weight elsewhere: ``"kernel"``, the Hopper set's FP8 matmul as it ships
-    (``kernels._hopper_fp8_matmul``); ``"reference"``, the same choice (128 x 128 blocks,
-    bf16 x, whole blocks) made here for w8a8's reference. ``taken``
+    """The reference kernels with the Hopper set's FP8 matmul as it ships
+    (``kernels._hopper_fp8_matmul``: w8a8 where it takes the product, the weight-only path
+    elsewhere), w8a8 run as ``where`` says: ``"kernel"``, the Mosaic GPU kernel;
+    ``"reference"``, its reference, the choice made as on a GPU on any machine. ``taken``
     records which ``[N, K]`` weights went to w8a8."""
     taken = set()
-    if where == "kernel":
-        kernel = w8a8_matmul.w8a8_matmul
+    run = w8a8_matmul.w8a8_matmul if where == "kernel" else w8a8_matmul.reference.w8a8_matmul
 
-        def spy(x, weight, scale_inv, **kwargs):
-            taken.add(tuple(weight.shape[-2:]))
-            return kernel(x, weight, scale_inv, **kwargs)
+    def spy(x, weight, scale_inv, **kwargs):
+        taken.add(tuple(weight.shape[-2:]))
+        return run(x, weight, scale_inv, **kwargs)
 
-        monkeypatch.setattr(w8a8_matmul, "w8a8_matmul", spy)
-        return kernels.REFERENCE._replace(fp8_matmul=kernels.MOSAIC_GPU.fp8_matmul), taken
-
-    def fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-        whole = blocks == fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
-        try:
-            w8a8_matmul.pallas_mosaic_gpu.check(x, weight, scale_inv, layer)
-        except ValueError:
-            whole = False
-        if whole and w8a8_matmul.pays_off(x):
-            taken.add(tuple(weight.shape[-2:]))
-            return w8a8_matmul.reference.w8a8_matmul(x, weight, scale_inv, layer=layer)
-        return kernels.REFERENCE.fp8_matmul(x, weight, scale_inv, blocks=blocks, layer=layer)
-
-    return kernels.REFERENCE._replace(fp8_matmul=kernels.on_whole_weights(fp8_matmul)), taken
+    monkeypatch.setattr(w8a8_matmul, "w8a8_matmul", spy)
+    if where == "reference":
+        monkeypatch.setattr(mosaic_gpu, "device_unsupported", lambda: None)
+    return kernels.REFERENCE._replace(fp8_matmul=kernels.MOSAIC_GPU.fp8_matmul), taken
 
 
 def _fp8_tiny_model(rng) -> DeepseekModel:
