@@ -104,6 +104,24 @@ def convert_fp8_tile(tile, converted, chunk_columns: int, scale=None) -> None:
     plgpu.commit_smem()
 
 
+def copy_rows_smem_to_gmem(smem, gmem, offset, count) -> None:
+    """Rows ``[offset, offset + count)`` of ``smem [S, C]`` to the same rows of ``gmem [S,
+    C]`` (a view of the output's rows the tile covers) by TMA: one copy of ``2^i`` rows for
+    each set bit of ``count`` (a copy's box is static, ``count`` is not), the largest first.
+    ``offset`` and ``count`` are int32 scalars (may be traced), ``count < 2 S``; the caller
+    waits for the copies (``plgpu.wait_smem_to_gmem``)."""
+    size = 1 << (smem.shape[0].bit_length() - 1)
+    while size:
+
+        @pl.when(count & size != 0)
+        def _(offset=offset, size=size):
+            rows = pl.ds(offset, size)
+            plgpu.copy_smem_to_gmem(smem.at[rows], gmem.at[rows])
+
+        offset = offset + (count & size)
+        size //= 2
+
+
 def widen_cpu_pool() -> None:
     """Gives XLA's CPU pool at least ``INTERPRET_POOL_THREADS`` threads (``PJRT_NPROC``)
     unless it is set. XLA reads it when jax starts its CPU backend: call before any

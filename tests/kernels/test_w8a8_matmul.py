@@ -290,6 +290,24 @@ def test_lowers_for_sm90(m):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11),
+    reason="the Mosaic GPU lowering this kernel is written for needs jax >= 0.11",
+)
+@pytest.mark.parametrize("m", [512, 65536])
+def test_grouped_lowers_for_sm90(m):
+    """The grouped form's sm90 lowering at V3's routed experts' gate_up (256 experts, 2048
+    x 2 outputs) over decode's 64 tokens x 8 (64-row tiles) and a prefill's 8192 x 8."""
+    f = jax.jit(functools.partial(w8a8.grouped_w8a8_matmul, interpret=False))
+    lowered = f.trace(
+        jax.ShapeDtypeStruct((m, 7168), BF16),
+        jax.ShapeDtypeStruct((256, 4096, 7168), FP8),
+        jax.ShapeDtypeStruct((256, 32, 56), jnp.float32),
+        jax.ShapeDtypeStruct((256,), jnp.int32),
+    ).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, Config(splits=1)])
 def test_prefill_rows_compiled(rng, config):
@@ -308,3 +326,92 @@ def test_deepseek_shapes_compiled(rng, m, k, n):
     """V3's projections at decode's row counts (GPU only: too large to interpret)."""
     x, weight, scale_inv, exact = _case(rng, m, k, n)
     _check(jax.jit(w8a8.w8a8_matmul)(x, weight, scale_inv), x, exact)
+
+
+def _grouped_case(rng, sizes, m, k, n, num_matrices, offset):
+    """bf16 lhs [m, k], a stack of ``num_matrices`` e4m3 weights [n, k] with their scales, of
+    which the groups ``sizes`` use ``offset`` on; the others hold NaN (weights and scales),
+    which any read of them would put into the product. Returns the exact weights too."""
+    x = jnp.asarray(rng.standard_normal((m, k)), BF16)
+    weights, scales, exact = [], [], []
+    for g in range(num_matrices):
+        _, weight, scale_inv, exact_weight = _case(rng, 1, k, n)
+        if not offset <= g < offset + len(sizes):
+            weight, scale_inv = jnp.full_like(weight, jnp.nan), jnp.full_like(scale_inv, jnp.nan)
+        weights.append(weight)
+        scales.append(scale_inv)
+        exact.append(exact_weight)
+    return x, jnp.stack(weights), jnp.stack(scales), exact
+
+
+def _check_grouped(got, x, exact, sizes, offset, **kwargs):
+    """Each group's rows against ``_check`` with its weight; the rows after the groups 0."""
+    got = np.asarray(got, np.float64)
+    assert got.shape == (x.shape[0], exact[0].shape[0])
+    start = 0
+    for g, size in enumerate(sizes):
+        if size:
+            rows = slice(start, start + size)
+            _check(got[rows], x[rows], exact[offset + g], **kwargs)
+        start += size
+    assert not got[start:].any()
+
+
+@mosaic_gpu_runs
+@pytest.mark.parametrize(
+    "sizes,m,k,n,offset",
+    [
+        # decode's few rows a group (64-row tiles), an empty group, 3 padding rows after
+        ([2, 0, 5, 1], 11, 256, 256, 1),
+        # 128-row tiles: a group across tiles from an unaligned row, one of a single row
+        ([70, 1, 140], 215, 256, 128, 0),
+    ],
+)
+def test_grouped_matches_float64(rng, sizes, m, k, n, offset):
+    """Each group's rows times its own weight (the unused ones poisoned), the padding rows
+    after the groups zero."""
+    x, weights, scales, exact = _grouped_case(rng, sizes, m, k, n, offset + len(sizes) + 1, offset)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = w8a8.grouped_w8a8_matmul(x, weights, scales, group_sizes, group_offset=offset)
+    _check_grouped(got, x, exact, sizes, offset)
+    reference = w8a8.reference.grouped_w8a8_matmul(
+        x, weights, scales, group_sizes, group_offset=offset
+    )
+    _check_grouped(reference, x, exact, sizes, offset)
+
+
+@mosaic_gpu_runs
+def test_grouped_traced_offset_and_sizes(rng):
+    """Under jit, the group sizes and offset traced (as the MoE layer passes them)."""
+    sizes = [3, 9]
+    x, weights, scales, exact = _grouped_case(rng, sizes, 12, 128, 128, 4, 2)
+    run = jax.jit(w8a8.grouped_w8a8_matmul)
+    got = run(x, weights, scales, jnp.asarray(sizes, jnp.int32), group_offset=jnp.int32(2))
+    _check_grouped(got, x, exact, sizes, 2)
+
+
+@pytest.mark.parametrize(
+    "m,groups,want", [(128, 2, 64), (128, 3, 64), (129, 2, 128), (65536, 256, 128)]
+)
+def test_grouped_row_tile(m, groups, want):
+    assert w8a8.grouped_row_tile(m, groups) == want
+
+
+@pytest.mark.parametrize(
+    "weight,sizes,offset,config,message",
+    [
+        ((256, 128), [4], 0, None, r"weight \[G, N, K\]"),
+        ((2, 256, 128), [4, 1, 1], 0, None, "G <= 2"),
+        ((2, 256, 128), [4], 2, None, "group_offset 2"),
+        ((2, 256, 128), [9], 0, None, "sum to at most 8 rows"),
+        ((2, 256, 128), [4], 0, Config(splits=2), "2 slices of K"),
+    ],
+)
+def test_grouped_refuses(weight, sizes, offset, config, message):
+    x = jnp.zeros((8, 128), BF16)
+    w = jnp.zeros(weight, FP8)
+    s = jnp.ones((*weight[:-2], weight[-2] // 128, 1), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        w8a8.grouped_w8a8_matmul(
+            x, w, s, jnp.asarray(sizes, jnp.int32), group_offset=offset, config=config
+        )

@@ -14,9 +14,8 @@ group) and the same stacked ``rhs``. What differs is how a tile is computed:
 - A tile's copy of lhs starts at a multiple of 8 rows (TMA into 8-row tiles of shared
   memory): a group's tiles are cut from its first row rounded down (``schedule_row_tiles(...,
   align=8)``), and a tile that would run past the last row is copied from ``M - block_m``.
-  The copy's rows of other groups are computed and not stored. The rows are
-  stored from shared memory by TMA copies of 2^i rows each, one for each bit of the row
-  count (a copy's box is static, the count is not).
+  The copy's rows of other groups are computed and not stored
+  (``mosaic_gpu.copy_rows_smem_to_gmem``).
 - FP8 weights: each compute warpgroup converts its half of the step's e4m3 tile, times the
   step's block scale (one number: a step lies in one scale block), into a bf16 tile in
   shared memory, then multiplies it. The conversion rounds as the reference's dequantized
@@ -352,20 +351,8 @@ def _kernel(
             for p, values in enumerate(pieces):
                 out_tile[pl.ds(p * piece_rows, piece_rows)] = values.astype(out_tile.dtype)
             plgpu.commit_smem()
-            columns = pl.ds(n0 + wg * block_n, block_n)
-            offset, count = r0 - first, r1 - r0
-            size = block_m
-            while size:  # one copy for each set bit of count, the largest first
-
-                @pl.when(count & size != 0)
-                def _(offset=offset, size=size):
-                    plgpu.copy_smem_to_gmem(
-                        out_tile.at[pl.ds(offset, size)],
-                        out_gmem.at[pl.ds(first + offset, size), columns],
-                    )
-
-                offset = offset + (count & size)
-                size //= 2
+            tile_rows = out_gmem.at[pl.ds(first, block_m), pl.ds(n0 + wg * block_n, block_n)]
+            mosaic_gpu.copy_rows_smem_to_gmem(out_tile, tile_rows, r0 - first, r1 - r0)
             plgpu.wait_smem_to_gmem(0)
 
         for c in range(COMPUTE_WARPGROUPS):  # a warpgroup writes its own tile

@@ -245,30 +245,36 @@ def check(
             f"lhs and rhs must both be bfloat16 or float32 (or rhs float8_e4m3fn with "
             f"rhs_scale_inv), got {lhs.dtype}, {rhs.dtype}"
         )
+    if min(rhs.shape) < 1:
+        raise ValueError(f"rhs {rhs.shape}: groups, K and N must be >= 1")
+    check_groups(lhs.shape[0], rhs.shape[0], group_sizes, group_offset)
+
+
+def check_groups(num_rows: int, num_matrices: int, group_sizes: jax.Array, group_offset) -> None:
+    """ValueError, in one line naming it, where ``group_sizes`` is not int32 ``[G]`` of at
+    most ``num_matrices`` groups summing to at most ``num_rows`` rows (where concrete), or
+    ``group_offset`` puts the groups past the matrices (where concrete)."""
     if (
         group_sizes.ndim != 1
-        or not 1 <= group_sizes.shape[0] <= rhs.shape[0]
+        or not 1 <= group_sizes.shape[0] <= num_matrices
         or group_sizes.dtype != jnp.int32
     ):
         raise ValueError(
-            f"group_sizes must be int32 [G] with G <= {rhs.shape[0]} (rhs's groups), got "
+            f"group_sizes must be int32 [G] with G <= {num_matrices} (rhs's groups), got "
             f"{group_sizes.dtype}{list(group_sizes.shape)}"
         )
     if not isinstance(group_offset, jax.core.Tracer) and not (
-        0 <= int(group_offset) <= rhs.shape[0] - group_sizes.shape[0]
+        0 <= int(group_offset) <= num_matrices - group_sizes.shape[0]
     ):
         raise ValueError(
             f"group_offset {int(group_offset)} puts {group_sizes.shape[0]} groups past rhs's "
-            f"{rhs.shape[0]}"
+            f"{num_matrices}"
         )
-    if min(rhs.shape) < 1:
-        raise ValueError(f"rhs {rhs.shape}: groups, K and N must be >= 1")
     if not isinstance(group_sizes, jax.core.Tracer):
         sizes = np.asarray(group_sizes)
-        if (sizes < 0).any() or sizes.sum() > lhs.shape[0]:
+        if (sizes < 0).any() or sizes.sum() > num_rows:
             raise ValueError(
-                f"group_sizes must be >= 0 and sum to at most {lhs.shape[0]} rows, got "
-                f"{sizes.tolist()}"
+                f"group_sizes must be >= 0 and sum to at most {num_rows} rows, got {sizes.tolist()}"
             )
 
 

@@ -1,9 +1,11 @@
 """The matmul of ``x [M, K]`` and an FP8 weight in HF's ``[N, K]`` layout with DeepSeek's
 128 x 128 block scales on Hopper's FP8 tensor cores, the activations quantized per token and
 128 columns (w8a8, as DeepSeek's inference runs it), and its pure-jnp reference
-(``reference.w8a8_matmul``, the same signature). The Hopper kernel set runs it over the
-projections whose bf16 rows it takes (``pays_off``); the other FP8 products convert the
-weight's tiles into 16 bits (``fp8_matmul``)."""
+(``reference.w8a8_matmul``, the same signature); and its grouped form for the MoE layer's
+routed experts, ``grouped_w8a8_matmul`` (``grouped_matmul``'s contract over ``[G, N, K]``
+FP8 weights). The Hopper kernel set runs it over the projections whose bf16 rows it takes
+(``pays_off``); the other FP8 products convert the weight's tiles into 16 bits
+(``fp8_matmul``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from .pallas_mosaic_gpu import (
     BLOCK,
     WARPGROUP_ROWS,
     W8A8MatmulConfig,
+    grouped_row_tile,
+    grouped_w8a8_matmul,
     quantize_rows,
     unsupported,
     w8a8_matmul,
@@ -24,6 +28,8 @@ __all__ = [
     "BLOCK",
     "WARPGROUP_ROWS",
     "W8A8MatmulConfig",
+    "grouped_row_tile",
+    "grouped_w8a8_matmul",
     "pays_off",
     "quantize_rows",
     "unsupported",

@@ -39,12 +39,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import fp8, matmul_steps, mosaic_gpu, online_softmax
+from .. import fp8, matmul_steps, mosaic_gpu, online_softmax, tiling
 from ..decode import device_num_sms
+from ..grouped_matmul.pallas_triton import check_groups, device_schedule
 
 WARPGROUP_ROWS = 64  # a compute warpgroup's rows: the wgmma's M side; a program's up to 64
 BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
 # and a program's columns; 128 e4m3 values are one 128-byte swizzled row
+ROW_ALIGN = 8  # the grouped form's tiles copy x from a multiple of this row (8-row tiles)
 SPLITS = (1, 2, 4, 8, 16)
 # Programs a launch aims for, per multiprocessor: V3's o_proj [7168, 16384] ran fastest in 4
 # slices (224 programs; 8: +8%) and its gate_proj [18432, 7168] in 2 (288; 1, 144 programs:
@@ -151,10 +153,11 @@ def stages(m: int, steps: int, slices: int, config: W8A8MatmulConfig) -> int:
     return max(1, min(config.stages, steps // slices, (SMEM_BYTES - out_bytes) // step_bytes))
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [M, K]`` as the kernel reads it: ``[R, K]`` float8_e4m3fn, M rounded up to whole
-    ``row_tile(M)`` (rows past M zero), and the ``[K / 128, R]`` float32 scales of its rows'
-    128-column groups: values x scales is x rounded to e4m3's 3 mantissa bits.
+def quantize_rows(x: jax.Array, num_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """``x [M, K]`` as the kernels read it: ``[R, K]`` float8_e4m3fn, ``R = num_rows`` (at
+    least M; None: M rounded up to whole ``row_tile(M)``; rows past M zero), and the ``[K /
+    128, R]`` float32 scales of its rows' 128-column groups: values x scales is x rounded to
+    e4m3's 3 mantissa bits.
 
     A group's scale is the smallest power of two at or above ``amax / 448`` (so nothing
     saturates), found from ``amax``'s own exponent: ``448 = 0.875 x 2^9``, so for ``amax =
@@ -164,7 +167,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     power of two is exact. DeepSeek's ``act_quant`` takes ``amax / 448`` itself; e4m3
     rounds relative to a value's own exponent, so a power of two costs no precision."""
     m, k = x.shape
-    rows = -(-m // row_tile(m)) * row_tile(m)
+    rows = -(-m // row_tile(m)) * row_tile(m) if num_rows is None else num_rows
     groups = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0)))
     groups = groups.reshape(rows, k // BLOCK, BLOCK)
     mantissa, exponent = jnp.frexp(jnp.max(jnp.abs(groups), axis=-1))
@@ -231,28 +234,163 @@ def w8a8_matmul(
     values, scales = quantize_rows(x)
     rows = row_tile(m)
     out_dtype = x.dtype if slices == 1 else jnp.float32
-    compute_warpgroups = rows // WARPGROUP_ROWS
     tiles = (values.shape[0] // rows, n // BLOCK)
-    kernel = plgpu.kernel(
-        functools.partial(
-            _kernel,
-            slices=slices,
-            rows=rows,
-            stages=stages(m, k // BLOCK, slices, config),
-            tiles=tiles,
-            band=config.band,
-        ),
-        out_type=jax.ShapeDtypeStruct((slices, *values.shape[:1], n), out_dtype),
-        scratch_types=dict(out_smem=plgpu.SMEM((rows, BLOCK), out_dtype)),
+    kernel = _launch(
+        functools.partial(_kernel, tiles=tiles, band=config.band),
+        config,
+        interpret,
+        rows=rows,
+        stages=stages(m, k // BLOCK, slices, config),
+        slices=slices,
         grid=(tiles[0] * tiles[1], slices),
-        grid_names=("tile", "split"),
-        num_threads=compute_warpgroups + 1,  # one warpgroup copies, the others multiply
-        thread_name="wg",
-        **mosaic_gpu.kernel_options(config, interpret, compute_warpgroups + 1),
+        out_shape=(slices, *values.shape[:1], n),
+        out_dtype=out_dtype,
     )
     parts = jax.named_call(kernel, name="w8a8_matmul")(layer, values, scales, weight, scale_inv)
     out = parts[0] if slices == 1 else parts.sum(axis=0)
     return out[:m].astype(x.dtype)
+
+
+def grouped_row_tile(m: int, num_groups: int) -> int:
+    """Rows a tile of ``grouped_w8a8_matmul`` over ``m`` rows in ``num_groups`` groups: one
+    compute warpgroup's 64 where the groups average up to 64 rows (decode's few tokens an
+    expert: a tile's rows are one group's, and a taller tile would be mostly padding), else
+    two warpgroups' 128."""
+    return WARPGROUP_ROWS if m <= WARPGROUP_ROWS * num_groups else 2 * WARPGROUP_ROWS
+
+
+def check_grouped(
+    lhs: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: int | jax.Array,
+) -> None:
+    """Refuses, in one line naming it, an argument ``grouped_w8a8_matmul`` does not take."""
+    if weight.ndim != 3:
+        raise ValueError(
+            f"grouped_w8a8_matmul: weight [G, N, K] (a stack of groups' weights), got "
+            f"{weight.shape}"
+        )
+    check(lhs, weight, scale_inv, 0)
+    check_groups(lhs.shape[0], weight.shape[0], group_sizes, group_offset)
+
+
+def grouped_w8a8_matmul(
+    lhs: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    group_offset: int | jax.Array = 0,
+    schedule: tiling.TileSchedule | None = None,
+    config: W8A8MatmulConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The grouped matmul (``grouped_matmul``'s contract) on e4m3 wgmmas: ``quantized(lhs[r])
+    @ dequantize(weight[group_offset + g])^T`` for the rows r of group g; the MoE layer's
+    routed experts over FP8 weights in HF's layout.
+
+    A program owns a row tile of the schedule (one group's rows, copied from a multiple of 8
+    rows as ``grouped_matmul``'s Mosaic GPU kernel copies them; the copy's rows of other
+    groups are multiplied and not stored) and 128 output columns; the rest is
+    ``w8a8_matmul``'s, in one slice of K.
+
+    Args:
+      lhs: ``[M, K]`` bfloat16, rows sorted by group; quantized per row and 128 columns
+        (``quantize_rows``).
+      weight: ``[G', N, K]`` float8_e4m3fn, each group's weight in HF's layout, N and K
+        multiples of 128; scale_inv: ``[G', N / 128, K / 128]`` float32, their block scales.
+      group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
+      group_offset: int32 scalar (may be traced): group g's rows multiply
+        ``weight[group_offset + g]``.
+      schedule: the row tiles (``schedule_row_tiles`` with ``grouped_row_tile(M, G)`` rows
+        a tile and ``align=8``); None plans them on the device, up to ``tiling.max_tiles``.
+      config: the launch (None: the defaults; ``splits`` must be None or 1).
+      interpret: Mosaic GPU's interpret mode (None: off a GPU).
+
+    Returns:
+      ``[M, N]`` bfloat16, accumulated in float32 each 128 deep; 0 for the rows after the
+      last group.
+    """
+    check_grouped(lhs, weight, scale_inv, group_sizes, group_offset)
+    config = config or W8A8MatmulConfig()
+    rows = grouped_row_tile(lhs.shape[0], group_sizes.shape[0])
+    if config.splits not in (None, 1):
+        raise ValueError(f"grouped_w8a8_matmul: {config.splits} slices of K (it runs one)")
+    if schedule is not None and (schedule.rows_per_tile != rows or schedule.align % ROW_ALIGN):
+        raise ValueError(
+            f"grouped_w8a8_matmul: a schedule of {schedule.rows_per_tile}-row tiles aligned "
+            f"to {schedule.align} rows, for {rows}-row tiles (schedule_row_tiles(..., "
+            f"align={ROW_ALIGN}))"
+        )
+    if interpret is None:
+        interpret = online_softmax.interpret_default()
+    group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
+    return _grouped_w8a8_matmul(
+        lhs, weight, scale_inv, group_sizes, group_offset, schedule, config, interpret
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _grouped_w8a8_matmul(
+    lhs, weight, scale_inv, group_sizes, group_offset, schedule, config, interpret
+):
+    m, k = lhs.shape
+    n = weight.shape[1]
+    num_groups = group_sizes.shape[0]
+    rows = grouped_row_tile(m, num_groups)
+    if schedule is None:
+        schedule = device_schedule(group_sizes, m, rows, ROW_ALIGN)
+    # A tile's copy starts at a multiple of ROW_ALIGN rows, at most a tile before the end.
+    values, scales = quantize_rows(lhs, max(-(-m // ROW_ALIGN) * ROW_ALIGN, rows))
+    tiles = (schedule.tile_segment.shape[0], n // BLOCK)
+    kernel = _launch(
+        functools.partial(_grouped_kernel, tiles=tiles, band=config.band, num_groups=num_groups),
+        config,
+        interpret,
+        rows=rows,
+        stages=stages(rows, k // BLOCK, 1, config),
+        slices=1,
+        grid=(tiles[0] * tiles[1],),
+        out_shape=(values.shape[0], n),
+        out_dtype=lhs.dtype,
+    )
+    out = jax.named_call(kernel, name="grouped_w8a8_matmul")(
+        schedule.tile_segment,
+        schedule.tile_start,
+        schedule.tile_end,
+        group_offset,
+        values,
+        scales,
+        weight,
+        scale_inv,
+    )
+    return out[:m]
+
+
+def _launch(body, config, interpret, *, rows, stages, slices, grid, out_shape, out_dtype):
+    """``plgpu.kernel`` of a program body: a memory warpgroup and ``rows / 64`` compute
+    warpgroups, a ``[rows, BLOCK]`` output tile in shared memory."""
+    compute_warpgroups = rows // WARPGROUP_ROWS
+    return plgpu.kernel(
+        functools.partial(body, slices=slices, rows=rows, stages=stages),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        scratch_types=dict(out_smem=plgpu.SMEM((rows, BLOCK), out_dtype)),
+        grid=grid,
+        grid_names=("tile", "split")[: len(grid)],
+        num_threads=compute_warpgroups + 1,  # one warpgroup copies, the others multiply
+        thread_name="wg",
+        **mosaic_gpu.kernel_options(config, interpret, compute_warpgroups + 1),
+    )
+
+
+def _tile_order(tile, tiles: tuple[int, int], band: int):
+    """``(row tile, column block)`` of program ``tile``: in bands of ``band`` column blocks,
+    down every row tile and back up the next band; the columns' order for one row tile."""
+    if tiles[0] == 1:
+        return 0, tile
+    return plgpu.planar_snake(tile, tiles, 1, band)
 
 
 def _kernel(
@@ -270,37 +408,128 @@ def _kernel(
     tiles: tuple[int, int],
     band: int,
 ):
-    """One program: tile ``tile`` of the output's ``tiles`` (row tiles, column blocks) from
-    slice ``split`` of K, ``[rows, BLOCK]``, of the stacked weight ``w_gmem [L, N, K]``'s
-    layer ``layer_gmem [1]``; each compute warpgroup ``wg`` its 64 rows."""
-    steps = x_gmem.shape[1] // BLOCK // slices
+    """One program of ``w8a8_matmul``: tile ``tile`` of the output's ``tiles`` (row tiles,
+    column blocks) from slice ``split`` of K, ``[rows, BLOCK]``, of the stacked weight
+    ``w_gmem [L, N, K]``'s layer ``layer_gmem [1]``; each compute warpgroup ``wg`` its 64
+    rows."""
     split = lax.axis_index("split")
-    tile = lax.axis_index("tile")
-    if tiles[0] == 1:
-        row_block, column_block = 0, tile
-    else:
-        row_block, column_block = plgpu.planar_snake(tile, tiles, 1, band)
+    row_block, column_block = _tile_order(lax.axis_index("tile"), tiles, band)
+    first = row_block * rows
+    columns = pl.ds(column_block * BLOCK, BLOCK)
+
+    def store(own_rows):
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[own_rows],
+            out_gmem.at[split, pl.ds(first + own_rows.start, own_rows.size), columns],
+        )
+
+    _tile_product(
+        x_gmem.at[pl.ds(first, rows)],
+        x_scale_gmem.at[:, pl.ds(first, rows)],
+        w_gmem.at[layer_gmem[0], columns],
+        w_scale_gmem.at[layer_gmem[0], column_block],
+        out_smem,
+        store,
+        split=split,
+        slices=slices,
+        rows=rows,
+        stages=stages,
+    )
+
+
+def _grouped_kernel(
+    segment_gmem,
+    start_gmem,
+    end_gmem,
+    offset_gmem,
+    x_gmem,
+    x_scale_gmem,
+    w_gmem,
+    w_scale_gmem,
+    out_gmem,
+    out_smem,
+    *,
+    slices: int,
+    rows: int,
+    stages: int,
+    tiles: tuple[int, int],
+    band: int,
+    num_groups: int,
+):
+    """One program of ``grouped_w8a8_matmul``: the schedule's row tile and column block
+    ``tile`` (in ``_tile_order``), its rows ``[start, end)`` of segment ``segment`` (a group,
+    or the padding rows after them), each compute warpgroup ``wg`` the 64 rows of the tile's
+    copy from ``first``."""
+    tile, column_block = _tile_order(lax.axis_index("tile"), tiles, band)
+    segment, r0, r1 = segment_gmem[tile], start_gmem[tile], end_gmem[tile]
+    has_group = (segment < num_groups) & (r0 < r1)
+    group = offset_gmem[0] + jnp.minimum(segment, num_groups - 1)
+    # A multiple of ROW_ALIGN (a TMA copy into 8-row tiles), the tile's rows within a tile's
+    # rows of it (the schedule's align).
+    first = pl.multiple_of(jnp.minimum(r0 - r0 % ROW_ALIGN, x_gmem.shape[0] - rows), ROW_ALIGN)
+    out_rows = out_gmem.at[pl.ds(first, rows), pl.ds(column_block * BLOCK, BLOCK)]
+
+    def store(own_rows):
+        """The tile's rows in the warpgroup's ``own_rows`` of the copy."""
+        lo = jnp.clip(r0 - first, own_rows.start, own_rows.start + own_rows.size)
+        hi = jnp.clip(r1 - first, own_rows.start, own_rows.start + own_rows.size)
+        mosaic_gpu.copy_rows_smem_to_gmem(
+            out_smem.at[own_rows], out_rows.at[own_rows], lo - own_rows.start, hi - lo
+        )
+
+    @pl.when(has_group)
+    def _():
+        _tile_product(
+            x_gmem.at[pl.ds(first, rows)],
+            x_scale_gmem.at[:, pl.ds(first, rows)],
+            w_gmem.at[group, pl.ds(column_block * BLOCK, BLOCK)],
+            w_scale_gmem.at[group, column_block],
+            out_smem,
+            store,
+            split=0,
+            slices=1,
+            rows=rows,
+            stages=stages,
+        )
+
+    @pl.when(~has_group & (r0 < r1))  # padding rows after the groups: zeros
+    def _():
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < rows // WARPGROUP_ROWS)
+        def _():
+            own_rows = pl.ds(wg * WARPGROUP_ROWS, WARPGROUP_ROWS)
+            zeros = jnp.zeros((WARPGROUP_ROWS, BLOCK), out_smem.dtype)
+            out_smem.at[own_rows][...] = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+            store(own_rows)
+            plgpu.wait_smem_to_gmem(0)
+
+
+def _tile_product(
+    x_rows, x_scales, weight, weight_scales, out_smem, store, *, split, slices, rows, stages
+):
+    """A program's product: ``x_rows [rows, K]`` (e4m3) times ``weight [BLOCK, K]^T``'s slice
+    ``split`` of ``slices`` of K, with ``x_scales [K / BLOCK, rows]`` and ``weight_scales [K
+    / BLOCK]``; each compute warpgroup writes its 64 rows into ``out_smem`` and hands them
+    to ``store(own_rows)`` (TMA copies out, waited for here)."""
+    steps = x_rows.shape[1] // BLOCK // slices
     first_step = split * steps
     acc_shape = (WARPGROUP_ROWS, BLOCK)
-    layer = layer_gmem[0]
     # The compute warpgroup's rows of the tile (static where it is the only one).
     first_row = 0 if rows == WARPGROUP_ROWS else lax.axis_index("wg") * WARPGROUP_ROWS
     own_rows = pl.ds(first_row, WARPGROUP_ROWS)
 
     def weight_scale(i):
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
-        return w_scale_gmem[layer, column_block, first_step + jnp.minimum(i, steps - 1)]
+        return weight_scales[first_step + jnp.minimum(i, steps - 1)]
 
     def compute_context(run_pipeline):
         total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
         total, _ = run_pipeline((total, weight_scale(0)))
         out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
         plgpu.commit_smem()
-        out_rows = pl.ds(row_block * rows + first_row, WARPGROUP_ROWS)
-        plgpu.copy_smem_to_gmem(
-            out_smem.at[own_rows],
-            out_gmem.at[split, out_rows, pl.ds(column_block * BLOCK, BLOCK)],
-        )
+        store(own_rows)
         plgpu.wait_smem_to_gmem(0)
 
     def step(indices, x_tile, w_tile, x_scale_tile, carry):
@@ -337,8 +566,4 @@ def _kernel(
         num_compute_wgs=rows // WARPGROUP_ROWS,
         max_concurrent_steps=stages,
         compute_context=compute_context,
-    )(
-        x_gmem.at[pl.ds(row_block * rows, rows), k_slice],
-        w_gmem.at[layer, pl.ds(column_block * BLOCK, BLOCK), k_slice],
-        x_scale_gmem.at[pl.ds(first_step, steps), pl.ds(row_block * rows, rows)],
-    )
+    )(x_rows.at[:, k_slice], weight.at[:, k_slice], x_scales.at[pl.ds(first_step, steps)])

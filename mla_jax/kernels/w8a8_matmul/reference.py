@@ -1,5 +1,6 @@
-"""The pure-jnp reference of ``w8a8_matmul``: the same signature, x quantized as the kernel
-quantizes it, both operands dequantized, one float32 dot."""
+"""The pure-jnp references of ``w8a8_matmul`` and ``grouped_w8a8_matmul``: the same
+signatures, x quantized as the kernels quantize it, both operands dequantized, float32
+products."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import fp8_blocks, matmul_steps
-from .pallas_mosaic_gpu import BLOCK, check, quantize_rows
+from .pallas_mosaic_gpu import BLOCK, check, check_grouped, quantize_rows
 
 
 def w8a8_matmul(
@@ -34,8 +35,53 @@ def w8a8_matmul(
     del config, interpret
     check(x, weight, scale_inv, layer)
     weight, scale_inv = matmul_steps.layer_of(weight, scale_inv, layer)
-    values, scales = quantize_rows(x)
-    lhs = values.astype(jnp.float32) * jnp.repeat(scales.T, BLOCK, axis=1)
     rhs = fp8_blocks.dequantize_nk(weight, scale_inv, fp8_blocks.Fp8Blocks(BLOCK, BLOCK))
-    out = jnp.dot(lhs, rhs.T, precision=jax.lax.Precision.HIGHEST)
-    return out[: x.shape[0]].astype(x.dtype)
+    out = jnp.dot(_quantized(x), rhs.T, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+def grouped_w8a8_matmul(
+    lhs: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    group_offset: int | jax.Array = 0,
+    schedule=None,
+    config=None,
+    interpret=None,
+) -> jax.Array:
+    """``quantized(lhs[r]) @ dequantize(weight[group_offset + g])^T`` for the rows r of group
+    g (``jax.lax.ragged_dot`` in float32), 0 for the rows after the last group.
+
+    Args:
+      lhs: ``[M, K]`` bfloat16, rows sorted by group.
+      weight: ``[G', N, K]`` float8_e4m3fn; scale_inv: ``[G', N / 128, K / 128]`` float32.
+      group_sizes: ``[G]`` int32, summing to at most M; group_offset: int32 scalar (may be
+        traced).
+      schedule, config, interpret: the kernel's tile plan, launch and mode; ignored here.
+
+    Returns:
+      ``[M, N]`` bfloat16.
+    """
+    del schedule, config, interpret
+    check_grouped(lhs, weight, scale_inv, group_sizes, group_offset)
+    num_groups = group_sizes.shape[0]
+    weight = jax.lax.dynamic_slice_in_dim(weight, group_offset, num_groups)
+    scale_inv = jax.lax.dynamic_slice_in_dim(scale_inv, group_offset, num_groups)
+    rhs = fp8_blocks.dequantize_nk(weight, scale_inv, fp8_blocks.Fp8Blocks(BLOCK, BLOCK))
+    out = jax.lax.ragged_dot(
+        _quantized(lhs),
+        rhs.transpose(0, 2, 1),
+        group_sizes,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(lhs.dtype)
+
+
+def _quantized(x: jax.Array) -> jax.Array:
+    """``x [M, K]`` rounded as the kernels quantize it (``quantize_rows``), float32."""
+    values, scales = quantize_rows(x)
+    out = values.astype(jnp.float32) * jnp.repeat(scales.T, BLOCK, axis=1)
+    return out[: x.shape[0]]
