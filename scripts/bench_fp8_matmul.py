@@ -7,14 +7,14 @@ bf16 activations.
     python scripts/bench_fp8_matmul.py [--out DIR] [--smoke]
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
-set's: for the projections, their FP8 weights in HF's ``[N, K]`` layout, w8a8 on a Hopper
-GPU where it takes the weight, else ``fp8_matmul.fastest``; the grouped matmul with the
+set's, the FP8 weights in HF's ``[N, K]`` layout: w8a8 on a Hopper GPU where it takes the
+weight, else ``fp8_matmul.fastest`` for the projections, the Triton grouped matmul with the
 tuned FP8 configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at
 prefill and <= 0.77x there for w8a8), its relative error against the reference (the weights
 dequantized, then one matmul), and for the projections the paths the product did not pick
 at that row count: the Pallas kernel, or the weight dequantized into a bf16 temporary then
-XLA's dot (cuBLAS), and w8a8; for the MoE layer at prefill, its experts on the Triton
-grouped matmul (the Hopper kernel set runs FP8 experts there on the Mosaic GPU one).
+XLA's dot (cuBLAS), and w8a8; for the MoE layer whose experts ran w8a8, its experts on the
+Triton grouped matmul.
 ``scripts/tune_fp8_matmul.py`` measures the kernels' launch parameters and
 ``scripts/explore_fp8.py`` the other variants (XLA with the dequantization written into the
 dot's operand, w8a8 on FP8 tensor cores; ``benchmarks/tuning/fp8_matmul_variants.json``).
@@ -54,7 +54,6 @@ from mla_jax import kernels
 from mla_jax.engine.runner import GPU_COMPILER_OPTIONS
 from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import fp8_matmul as fm
-from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.kernels import w8a8_matmul as w8a8
 from mla_jax.model.config import MoEConfig, moe_preset
 from mla_jax.model.layers import Linear, k_splits, split_k_dot
@@ -236,10 +235,7 @@ def moe_rows(sizes: Sizes) -> list[dict]:
         fp8_fn = _jitted(fp8, "pallas", layer_in_run=0)
         error_args = (args[0][0][:ERROR_TOKENS],)
         r = _compare(_jitted(bf16, "pallas"), fp8_fn, args, error_fns, error_args)
-        regime = gm.GroupedMatmulConfig.regime(
-            tokens * cfg.num_experts_per_tok, cfg.n_routed_experts
-        )
-        if regime == "prefill":
+        if kernels.select("pallas") is kernels.MOSAIC_GPU:  # its experts ran w8a8
             r.update(_experts_on(kernels.TRITON, "triton", fp8, small, args, error_args))
         print("moe", tokens, jsonable(r), flush=True)
         rows.append(_row("MoE layer (V3)", tokens, r))
@@ -367,21 +363,21 @@ def tables(args) -> None:
         rows,
         [
             "bf16 activations. bf16: the MoE layer with the Pallas grouped matmul, the "
-            "projections as XLA dots. fp8: what the GPU kernel set runs with FP8 weights: the "
-            "layer's experts through the grouped matmul with rhs_scale_inv (at decode the Triton "
-            "kernel, launch parameters from mla_jax/kernels/tuned.py, with the float16 MMA; at "
-            "prefill, on a Hopper GPU, the Mosaic GPU kernel; the FP8 experts "
-            "stacked as two layers', as a model stacks them: one V3 layer's FP8 down_proj, "
-            "3.8 GB, is more than Pallas' Triton lowering indexes), its shared experts and the "
-            "projections (their FP8 weights in HF's [N, K] layout): on a Hopper GPU w8a8 "
+            "projections as XLA dots. fp8: what the GPU kernel set runs with FP8 weights (in "
+            "HF's [N, K] layout, the experts' stacked [E, N, K]): the layer's routed experts "
+            "through the grouped matmul with rhs_scale_inv (on a Hopper GPU w8a8's grouped "
+            "form, else the Triton kernel, launch parameters from mla_jax/kernels/tuned.py; "
+            "the FP8 experts stacked as two layers', as a model stacks them: one V3 layer's "
+            "FP8 down_proj, 3.8 GB, is more than Pallas' Triton lowering indexes), its shared "
+            "experts and the projections: on a Hopper GPU w8a8 "
             "(x quantized to e4m3 per row and 128 columns, e4m3 wgmmas; its rel err is "
             "mostly x's rounding) where it takes the weight, else fp8_matmul.fastest (the "
             f"Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above them the weight "
             "dequantized into a bf16 temporary, then XLA's dot). Alternatives (10 calls): "
             "where w8a8 ran, the path fastest takes at that row count; elsewhere fastest's "
-            "other path and w8a8 where it takes the product. The MoE layer at "
-            "prefill: the Hopper set runs its FP8 experts on the Mosaic GPU grouped matmul; "
-            "alternative: the Triton grouped matmul. Times: medians of the summed CUPTI kernel "
+            "other path and w8a8 where it takes the product. The MoE layer's alternative, where "
+            "its experts ran w8a8: the Triton grouped matmul (weight-only, the rows as they "
+            "are). Times: medians of the summed CUPTI kernel "
             "durations of warm calls over 3 rotating inputs.",
             f"Block scales {list(sizes.blocks)}, random; rel err: L2 against the FP8 path's "
             "reference (the weights dequantized, then the same computation); the MoE "

@@ -449,8 +449,8 @@ def tables(sizes: Sizes, out_dir: str | None) -> None:
             "[tokens x top-k, hidden] @ [hidden, 3 x expert width] matmul (the same FLOPs) in "
             "the same run.",
             "Mosaic GPU: the routed experts with both grouped matmuls on the Mosaic GPU kernel "
-            "(grouped_matmul/pallas_mosaic_gpu.py; the Hopper set runs only FP8 experts on "
-            "it), over the Triton kernel's experts us; its relative difference from the "
+            "(grouped_matmul/pallas_mosaic_gpu.py, bf16 weights; no kernel set runs it), "
+            "over the Triton kernel's experts us; its relative difference from the "
             "Triton kernel's experts is in the JSON.",
             *common,
         ],

@@ -281,6 +281,8 @@ def grouped():
     for mname, (shape, blocks) in mats.items():
         w, s = rand_fp8(key, shape, blocks)
         wb = fp8_blocks.dequantize(w, s, blocks, jnp.bfloat16)
+        # the grouped matmul takes FP8 experts in HF's layout: [E, N, K], [E, N-grid, K-grid]
+        w_nk, s_nk = jnp.swapaxes(w, -1, -2), jnp.swapaxes(s, -1, -2)
         for t in tokens:
             rows = t * topk
             ids = jax.vmap(lambda kk: jax.random.permutation(kk, e)[:topk])(
@@ -321,7 +323,7 @@ def grouped():
                 f = functools.partial(gm.grouped_matmul, blocks=blocks, config=cfg)
                 fns[c] = (
                     jax.jit(lambda x, w_, sz, s_, f=f: f(x, w_, sz, rhs_scale_inv=s_)),
-                    [(x, w, sizes, s) for x in lhs],
+                    [(x, w_nk, sizes, s_nk) for x in lhs],
                 )
             if rows / e > 64:
 
@@ -349,7 +351,7 @@ def grouped():
             b = res["us"].get("bf16", float("nan"))
             cells = " ".join(f"{v}={u:.0f}({u / b:.2f})" for v, u in res["us"].items())
             print(f"[{time.time() - T0:.0f}s] {mname} tokens={t}: {cells}", flush=True)
-        del w, s, wb
+        del w, s, wb, w_nk, s_nk
 
 
 if __name__ == "__main__":

@@ -147,7 +147,10 @@ def tune_grouped(sizes, block, reps, record, table):
         "experts.down_proj": ((e, i, h), fp8_blocks.Fp8Blocks(block, block)),
     }
     for name, (shape, blocks) in mats.items():
-        weight, scale = _fp8_weight(jax.random.key(1), shape, blocks)
+        # FP8 experts in HF's layout: weight [E, N, K], its scales [E, N-grid, K-grid]
+        weight, scale = (
+            jnp.swapaxes(a, -1, -2) for a in _fp8_weight(jax.random.key(1), shape, blocks)
+        )
         for tokens in sizes["tokens"]:
             rows = tokens * topk
             keys = jax.random.split(jax.random.key(tokens), tokens)

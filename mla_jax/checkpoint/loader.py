@@ -96,6 +96,8 @@ def hf_tensors(
     cfg: ModelConfig,
     runs: Sequence[tuple[int, int, bool]],
     available: Container[str] = (),
+    *,
+    fp8: bool = False,
 ) -> list[TensorSlot]:
     """The HF tensors an nnx parameter holds. A decoder run's parameters (path ``layers``,
     run, ...; ``runs``: the model's, ``DeepseekModel.runs``) hold one tensor per layer of the
@@ -103,7 +105,9 @@ def hf_tensors(
     (``moe.hf_expert_slice``), or one per layer where ``available`` (a checkpoint's tensor
     names) has transformers' fused tensor of the layer's experts; the rest hold one. A kept
     FP8 weight's scales (``<name>_scale_inv``, its grid in the weight's layout) hold the
-    ``weight_scale_inv`` tensors of its weight's tensors, each where its block grid lies."""
+    ``weight_scale_inv`` tensors of its weight's tensors, each where its block grid lies.
+    ``fp8``: the parameter is a kept FP8 weight (routed experts' stacks then hold HF's
+    layout, ``moe.hf_expert_slice``)."""
     if str(path[-1]).endswith(SCALE_SUFFIX):
         return _scale_slots(path, shape, cfg, runs)
     parts = [str(p) for p in path]
@@ -138,7 +142,7 @@ def hf_tensors(
         elif parts[2:4] == ["mlp", "experts"]:
             fused = f"{prefix}.mlp.experts.{parts[4]}" in available
             for name in hf_expert_names(f"{prefix}.mlp", cfg.moe, fused=fused):
-                where = hf_expert_slice(name, cfg.moe)
+                where = hf_expert_slice(name, cfg.moe, fp8=fp8)
                 if where.param == parts[4]:
                     slots.append(TensorSlot(name, (i, *where.index), where.axes, where.hf_shape))
         else:
@@ -151,27 +155,25 @@ def hf_tensors(
 def _scale_slots(path: tuple, shape: tuple[int, ...], cfg: ModelConfig, runs) -> list[TensorSlot]:
     """The ``weight_scale_inv`` slots of the scale grid ``shape`` at ``path``: its weight's
     slots (``hf_tensors`` of the weight's shape, as the model builds it), each range of
-    output columns (the slot index's last entry) mapped to its range of grid columns. A
-    fused weight's grid is its parts' grids side by side, each starting on a whole block: a
-    routed experts' ``gate_up_proj``'s up half after the gate's ``cdiv(I, bo)`` columns,
-    ``fused_qkv_a_proj``'s ``kv_a_proj_with_mqa`` after ``q_a_proj``'s ``Lq / bo``. The grid
-    is in its weight's layout: ``[in, out]`` blocks for the routed experts' stacks, HF's
-    ``[out, in]`` for a projection's ``weight``."""
+    output rows (the slot index's last entry) mapped to its range of grid rows. A fused
+    weight's grid is its parts' grids one after the other, each starting on a whole block: a
+    routed experts' ``gate_up_proj``'s up half after the gate's ``cdiv(I, bo)`` rows,
+    ``fused_qkv_a_proj``'s ``kv_a_proj_with_mqa`` after ``q_a_proj``'s ``Lq / bo``. Every
+    kept FP8 weight is in HF's ``[out, in]`` layout, and so is its grid."""
     bo, bi = cfg.quantization.weight_block_size
     *lead, rows, cols = shape
-    weight_name = str(path[-1])[: -len(SCALE_SUFFIX)]
-    weight_path = (*path[:-1], weight_name)
-    row_block, col_block = (bo, bi) if weight_name == "weight" else (bi, bo)
+    weight_path = (*path[:-1], str(path[-1])[: -len(SCALE_SUFFIX)])
     slots = []
-    # The weight's slots for a weight of the grid's size in blocks (the fused weights' column
+    # The weight's slots for a weight of the grid's size in blocks (the fused weights' row
     # ranges come from the config; a plain weight's HF shape is the grid's, in blocks).
-    for slot in hf_tensors(weight_path, (*lead, rows * row_block, cols * col_block), cfg, runs):
-        out, inp = slot.hf_shape
-        index, columns = slot.index, slot.index[-1]
-        if isinstance(columns, slice) and columns.start is not None:
-            first = math.ceil(columns.start / bo)
+    for slot in hf_tensors(weight_path, (*lead, rows * bo, cols * bi), cfg, runs, fp8=True):
+        *hf_lead, out, inp = slot.hf_shape
+        index = slot.index
+        outputs = index[-1] if index else None
+        if isinstance(outputs, slice) and outputs.start is not None:
+            first = math.ceil(outputs.start / bo)
             index = (*index[:-1], slice(first, first + math.ceil(out / bo)))
-        hf_shape = (math.ceil(out / bo), math.ceil(inp / bi))
+        hf_shape = (*hf_lead, math.ceil(out / bo), math.ceil(inp / bi))
         slots.append(TensorSlot(scale_name(slot.name), index, slot.axes, hf_shape))
     return slots
 
@@ -297,7 +299,7 @@ def load_model(
     files = _checkpoint_files(model_dir)
     params = defaultdict(list)  # HF name -> [(parameter path, its abstract variable, slot)]
     for path, var in nnx.to_flat_state(state):
-        for slot in hf_tensors(path, var.shape, cfg, abstract.runs, files):
+        for slot in hf_tensors(path, var.shape, cfg, abstract.runs, files, fp8=var.dtype == FP8):
             params[slot.name].append((path, var, slot))
 
     missing = sorted(set(params) - set(files))
@@ -444,7 +446,7 @@ def save_checkpoint(model: DeepseekModel, model_dir: str | os.PathLike) -> None:
     tensors, parted = {}, {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         array = np.asarray(var[...])
-        for slot in hf_tensors(path, array.shape, model.cfg, model.runs):
+        for slot in hf_tensors(path, array.shape, model.cfg, model.runs, fp8=array.dtype == FP8):
             slot.put(tensors, array[slot.index])
             if slot.part is not None:
                 parted[slot.name] = slot

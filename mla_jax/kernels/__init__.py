@@ -127,15 +127,27 @@ def _hopper_decode(
 def _hopper_grouped_matmul(
     lhs, rhs, group_sizes, *, group_offset=0, rhs_scale_inv=None, blocks=None
 ):
-    """FP8 experts at a prefill's rows on the Mosaic GPU grouped matmul
-    (``grouped_matmul.prefill_on_mosaic_gpu``: the Triton kernel for fewer rows a group or
-    shapes it does not take, logged once), bf16 experts on the Triton kernel: where each
-    measured faster (BENCHMARKS.md: the FP8 table's MoE layer at prefill, the MoE prefill
-    table's Mosaic GPU column)."""
-    kernel = (
-        grouped_matmul.grouped_matmul if blocks is None else grouped_matmul.prefill_on_mosaic_gpu
-    )
-    return kernel(
+    """FP8 experts with bf16 rows on w8a8's grouped form (e4m3 wgmmas, the rows quantized
+    per token and 128 columns) where it takes them, the Triton kernel elsewhere and for
+    bf16 experts; either choice for FP8 experts said once."""
+    if blocks is not None and w8a8_matmul.pays_off(lhs):
+        reason = (
+            "its weight blocks are not 128 x 128"
+            if (blocks.block_out, blocks.block_in) != (w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
+            else w8a8_matmul.grouped_unsupported(lhs, rhs, rhs_scale_inv, group_sizes, group_offset)
+        )
+        shape = list(rhs.shape[-2:])
+        if reason is None:
+            mosaic_gpu.log_once(
+                log,
+                f"grouped_matmul: w8a8 (rows quantized to e4m3 per token and 128 columns, FP8 "
+                f"tensor cores) for experts {shape}",
+            )
+            return w8a8_matmul.grouped_w8a8_matmul(
+                lhs, rhs, rhs_scale_inv, group_sizes, group_offset=group_offset
+            )
+        mosaic_gpu.log_once(log, f"grouped_matmul: experts {shape} not on w8a8 ({reason})")
+    return grouped_matmul.grouped_matmul(
         lhs,
         rhs,
         group_sizes,
@@ -168,9 +180,9 @@ def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
     return fp8_matmul.fastest(x, weight, scale_inv, blocks=blocks, layer=layer)
 
 
-# Hopper (sm90): decode, prefill, FP8 experts at prefill and FP8 projections of bf16 rows on
-# Mosaic GPU (wgmma, TMA, warpgroups with their own roles); the merge and the other
-# matmuls are Triton's.
+# Hopper (sm90): decode, prefill, FP8 experts and FP8 projections of bf16 rows on Mosaic GPU
+# (wgmma, TMA, warpgroups with their own roles); the merge and the other matmuls are
+# Triton's.
 MOSAIC_GPU = TRITON._replace(
     mla_decode=_hopper_decode,
     grouped_matmul=_hopper_grouped_matmul,

@@ -130,26 +130,25 @@ def dequantize_tile(
     blocks: Fp8Blocks,
     width: int,
     dtype,
-    nk: bool = False,
 ) -> jax.Array:
-    """Inside a Pallas kernel: the fp8 weight tile ``[block_k, block_n]`` at rows ``k0 + [0,
-    block_k)`` and ``columns [block_n]`` (int32) of a ``width``-column weight, times its
-    scales read from ``scale_ref`` (indexed by the scalars ``lead``, then the grid's row and
-    column) -> ``dtype``. ``k_ok [block_k]`` and ``col_ok [block_n]`` (or None: all inside):
-    the tile's rows and columns inside the weight; no scale outside it is read. ``nk``: the
-    tile is ``[block_n, block_k]``, of an ``[..., N, K]`` weight whose ``scale_ref`` is the
-    ``[..., N-grid, K-grid]`` transpose (HF's layout)."""
-    block_k = tile.shape[1 if nk else 0]
-    inside = tile_mask(k_ok, col_ok, tile.shape, nk)
+    """Inside a Pallas kernel: the fp8 weight tile ``[block_n, block_k]`` at ``columns
+    [block_n]`` (int32, of a ``width``-column weight) and K ``k0 + [0, block_k)`` of an
+    ``[..., N, K]`` weight (HF's layout), times its scales read from ``scale_ref [...,
+    N-grid, K-grid]`` (indexed by the scalars ``lead``, then the grid's row and column) ->
+    ``dtype``. ``k_ok [block_k]`` and ``col_ok [block_n]`` (or None: all inside): the tile's
+    K and columns inside the weight; no scale outside it is read."""
+    block_k = tile.shape[1]
+    inside = tile_mask(k_ok, col_ok, tile.shape, nk=True)
     if blocks.block_in % block_k == 0:
         # The K step lies in one scale row (k0 is a multiple of block_k, and k0 < K): a row
         # of scales; rows past K are zeros in the tile.
-        step = step_scales(scale_ref, lead, k0, columns, col_ok, blocks, width, nk)
-        _, scales = _on_tile(None, step, nk)
+        step = step_scales(scale_ref, lead, k0, columns, col_ok, blocks, width)
+        _, scales = _on_tile(None, step, nk=True)
     else:  # blocks smaller than the step (tests' tiny blocks): a scale per element
         rows = (k0 + jnp.arange(block_k, dtype=jnp.int32)) // blocks.block_in
         scale_cols = scale_columns(columns, width, blocks)
-        index = scale_ref.at[_scale_index(lead, *_on_tile(rows, scale_cols, nk), nk)]
+        k_index, n_index = _on_tile(rows, scale_cols, nk=True)
+        index = scale_ref.at[(*lead, n_index, k_index)]
         scales = index[...] if inside is None else plgpu.load(index, mask=inside, other=0.0)
     values = tile.astype(jnp.float32)
     if inside is not None:  # masked elements were loaded undefined
@@ -165,23 +164,22 @@ def step_scales(
     col_ok: jax.Array | None,
     blocks,
     width: int,
-    nk: bool = False,
 ) -> jax.Array:
     """Inside a Pallas kernel: the ``[block_n]`` float32 scales of a K step at ``k0`` that
-    lies in one scale row (``blocks.block_in`` a multiple of the step), for ``columns``
-    (int32) of a ``width``-column weight; 0 where ``col_ok`` is False. ``nk``: ``scale_ref``
-    is the ``[..., N-grid, K-grid]`` grid of an ``[N, K]`` weight."""
+    lies in one scale block (``blocks.block_in`` a multiple of the step), for ``columns``
+    (int32) of a ``width``-column ``[N, K]`` weight, from its ``[..., N-grid, K-grid]``
+    ``scale_ref``; 0 where ``col_ok`` is False."""
     k_index, n_index = k0 // blocks.block_in, scale_columns(columns, width, blocks)
-    index = scale_ref.at[_scale_index(lead, k_index, n_index, nk)]
+    index = scale_ref.at[(*lead, n_index, k_index)]
     return index[...] if col_ok is None else plgpu.load(index, mask=col_ok, other=0.0)
 
 
-def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype, nk: bool = False) -> jax.Array:
-    """An fp8 weight tile (``[block_k, block_n]``, or ``[block_n, block_k]`` where ``nk``)
-    converted (exactly) into ``dtype``, its masked elements (loaded undefined) zeroed: the
-    tile of a step whose scales go on the product instead."""
+def upcast_tile(tile: jax.Array, k_ok, col_ok, dtype) -> jax.Array:
+    """An fp8 weight tile ``[block_n, block_k]`` converted (exactly) into ``dtype``, its
+    masked elements (loaded undefined) zeroed: the tile of a step whose scales go on the
+    product instead."""
     values = tile.astype(dtype)
-    inside = tile_mask(k_ok, col_ok, tile.shape, nk)
+    inside = tile_mask(k_ok, col_ok, tile.shape, nk=True)
     if inside is not None:
         values = jnp.where(inside, values, jnp.zeros((), dtype))
     return values
@@ -212,9 +210,3 @@ def _on_tile(k_values: jax.Array | None, n_values: jax.Array | None, nk: bool):
         return None if values is None else jnp.expand_dims(values, 1 - along)
 
     return expand(k_values, k_axis), expand(n_values, 1 - k_axis)
-
-
-def _scale_index(lead: tuple, k_index, n_index, nk: bool) -> tuple:
-    """The index into a scale grid (after ``lead``) of its K-grid and N-grid indices: ``[...,
-    K-grid, N-grid]``, or ``[..., N-grid, K-grid]`` where ``nk``."""
-    return (*lead, n_index, k_index) if nk else (*lead, k_index, n_index)

@@ -122,20 +122,17 @@ def accumulate(
     blocks: fp8_blocks.Fp8Blocks | None,
     scale_product: bool = False,
     swap_ab: bool = False,
-    rhs_nk: bool = False,
 ) -> jax.Array:
-    """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ rhs[lead, s, n0 +
+    """``sum over K steps s in [begin, end) of lhs[r0 + [0, block_m), s] @ W[lead][s, n0 +
     [0, block_n)]`` -> ``[block_m, block_n]`` float32 (the rows where ``row_ok [block_m]`` is
-    False read nothing). ``rhs_ref`` (indexed by the scalars ``lead``)
-    holds ``[..., K = depth, N = width]``; with ``blocks`` it is float8_e4m3fn and
-    ``scale_ref [..., cdiv(K, block_in), ...]`` its scales, dequantized per tile into lhs's
-    dtype; else it is in lhs's dtype and ``scale_ref`` is None. ``begin``, ``end``: int32
-    scalars within ``[0, cdiv(depth, block_k)]``.
+    False read nothing), ``rhs_ref`` indexed by the scalars ``lead``: in lhs's dtype it holds
+    ``W [..., K = depth, N = width]`` and ``scale_ref`` is None; with ``blocks`` it holds the
+    float8_e4m3fn transpose ``[..., N, K]`` (HF's layout, K-major as Hopper's tensor cores
+    read an operand) and ``scale_ref`` its ``[..., N-grid, K-grid]`` scales
+    (``Fp8Blocks.scale_shape_nk``): each step loads a ``[block_n, block_k]`` tile,
+    dequantized into lhs's dtype, and the dot contracts both operands' K axes. ``begin``,
+    ``end``: int32 scalars within ``[0, cdiv(depth, block_k)]``.
 
-    ``rhs_nk``: ``rhs_ref`` holds the transpose ``[..., N, K]`` (HF's layout, K-major as
-    Hopper's tensor cores read an operand) and ``scale_ref`` its ``[..., N-grid, K-grid]``
-    scales (``Fp8Blocks.scale_shape_nk``); each step loads a ``[block_n, block_k]`` tile and
-    the dot contracts both operands' K axes (the options below work the same).
     ``scale_product`` (FP8 with ``blocks.block_in`` a multiple of ``block_k``): each step's
     tile is only converted (exactly) into lhs's dtype and its scales multiply the step's
     float32 product, ``[block_n]`` multiplies per step instead of ``block_k x block_n``.
@@ -148,6 +145,7 @@ def accumulate(
     col_ok = cols < width if width % block_n else None
     if scale_product and (blocks is None or blocks.block_in % block_k):
         scale_product = False  # no per-step scale row: the tile is dequantized whole
+    rhs_nk = blocks is not None  # an FP8 weight in HF's layout
     k_axis = 1 if rhs_nk else 0  # of the weight tile
 
     def step(s, acc, *, tail: bool):
@@ -167,13 +165,11 @@ def accumulate(
         b = b_ref[...] if rhs_mask is None else plgpu.load(b_ref, mask=rhs_mask, other=fill)
         scales = None
         if scale_product:
-            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype, rhs_nk)
-            scales = fp8_blocks.step_scales(
-                scale_ref, lead, k0, cols, col_ok, blocks, width, rhs_nk
-            )
+            b = fp8_blocks.upcast_tile(b, k_ok, col_ok, a.dtype)
+            scales = fp8_blocks.step_scales(scale_ref, lead, k0, cols, col_ok, blocks, width)
         elif blocks is not None:
             b = fp8_blocks.dequantize_tile(
-                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype, rhs_nk
+                b, scale_ref, lead, k0, cols, k_ok, col_ok, blocks, width, a.dtype
             )
         if swap_ab:  # [block_n, block_m]
             precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

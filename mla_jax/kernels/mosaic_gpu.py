@@ -89,17 +89,14 @@ def swizzled(row_elements: int, itemsize: int = 2) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def convert_fp8_tile(tile, converted, chunk_columns: int, scale=None) -> None:
+def convert_fp8_tile(tile, converted, chunk_columns: int) -> None:
     """Inside a Mosaic GPU kernel: the e4m3 ``tile [rows, columns]`` (shared memory, swizzled
     in rows of ``chunk_columns``) into the 16-bit ``converted`` of its shape, ``chunk_columns``
-    at a time; times ``scale`` where given (in float32, rounded once into ``converted``'s
-    dtype), else exactly (e4m3 fits float16 and bf16); made visible to the wgmma that reads
+    at a time, exactly (e4m3 fits float16 and bf16); made visible to the wgmma that reads
     it."""
     for first in range(0, tile.shape[1], chunk_columns):
         columns = pl.ds(first, chunk_columns)
         values = plgpu.load(tile.at[:, columns], layout=FP8_CONVERT_LAYOUT, optimized=True)
-        if scale is not None:
-            values = values.astype(jnp.float32) * scale
         converted[:, columns] = values.astype(converted.dtype)
     plgpu.commit_smem()
 

@@ -22,9 +22,13 @@ parameter                          shape (dtype)               HF tensor(s) unde
 =================================  ==========================  =================================
 
 E = n_routed_experts, H = hidden_size, I = moe_intermediate_size, S = I x n_shared_experts.
-Kept FP8 (``fp8_blocks``), the routed experts' stacks keep these shapes, with their
-``*_scale_inv`` grids in the same transposed layout, while each shared expert's projection
-holds HF's ``weight [out, in]`` and ``weight_scale_inv`` as stored (``layers.Linear``).
+Kept FP8 (``fp8_blocks``), the routed experts' stacks hold HF's layout instead, as
+transformers fuses them in memory: ``gate_up_proj [E, 2I, H]`` (each expert's gate_proj
+rows, then its up_proj rows) and ``down_proj [E, H, I]``, with their ``*_scale_inv`` grids
+``[E, 2 cdiv(I, bo), cdiv(H, bi)]`` (gate's, then up's) and ``[E, cdiv(H, bo), cdiv(I,
+bi)]``: Hopper's FP8 tensor cores read a weight K-major, as HF stores it
+(``w8a8_matmul``'s grouped form). Each shared expert's projection holds HF's ``weight [out,
+in]`` and ``weight_scale_inv`` as stored (``layers.Linear``).
 The per-expert names are what DeepSeek publishes and what transformers 5.23's
 ``save_pretrained`` writes (its conversion mapping splits the fused tensors back on saving).
 In memory transformers fuses them as ``experts.gate_up_proj [E, 2I, H]`` (gate rows first)
@@ -129,22 +133,23 @@ def routed_experts(
     Args:
       x: ``[T, H]``; expert_ids: ``[T, k]`` int32; weights: ``[T, k]`` float32.
       gate_up_proj: ``[E, H, 2I]`` (gate columns first); down_proj: ``[E, I, H]``; both in
-        the dtype the matmuls run in (x is cast to it). With ``layer``, every layer's:
-        ``[L, E, H, 2I]`` and ``[L, E, I, H]``.
+        the dtype the matmuls run in (x is cast to it). FP8 experts (``scales``) in HF's
+        layout: ``[E, 2I, H]`` and ``[E, H, I]``. With ``layer``, every layer's: ``[L, ...]``.
       layer: which of the stacked layers' experts to use (may be traced). The grouped matmul
         reads them in place: slicing a layer's experts out under a scan would copy every
         expert of the layer each step, most of a decode step's time.
       scales, fp8_blocks: for FP8 experts (float8_e4m3fn), their float32 block scales
-        ``(gate_up_proj_scale_inv [..., E, cdiv(H, bi), 2 cdiv(I, bo)], down_proj_scale_inv
-        [..., E, cdiv(I, bi), cdiv(H, bo)])`` and ``(bo, bi)``; the grouped matmul
-        dequantizes them tile by tile.
+        ``(gate_up_proj_scale_inv [..., E, 2 cdiv(I, bo), cdiv(H, bi)], down_proj_scale_inv
+        [..., E, cdiv(H, bo), cdiv(I, bi)])`` and ``(bo, bi)``; the grouped matmul reads
+        them as they are (w8a8 on Hopper, else dequantized tile by tile).
       dtype: what the matmuls run in (x is cast to it); default: the experts' dtype.
 
     Returns:
       ``[T, H]`` float32.
     """
     t, k = expert_ids.shape
-    num_experts, inter = down_proj.shape[-3:-1]
+    num_experts = down_proj.shape[-3]
+    inter = (gate_up_proj.shape[-1] if scales is None else gate_up_proj.shape[-2]) // 2
     group_offset = 0
     dtype = dtype or down_proj.dtype
     gate_up_fp8, down_fp8 = {}, {}
@@ -189,9 +194,10 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """The routed experts' SwiGLU weights, stacked over experts: ``gate_up_proj [E, H, 2I]``
     (gate then up columns, so one grouped matmul computes both) and ``down_proj [E, I, H]``.
-    With ``fp8_blocks = (bo, bi)``: both float8_e4m3fn, with their float32 block scales
-    ``gate_up_proj_scale_inv [E, cdiv(H, bi), 2 cdiv(I, bo)]`` (gate's grid, then up's) and
-    ``down_proj_scale_inv [E, cdiv(I, bi), cdiv(H, bo)]``."""
+    With ``fp8_blocks = (bo, bi)``: both float8_e4m3fn in HF's layout, ``gate_up_proj [E,
+    2I, H]`` (gate then up rows) and ``down_proj [E, H, I]``, with their float32 block scales
+    ``gate_up_proj_scale_inv [E, 2 cdiv(I, bo), cdiv(H, bi)]`` (gate's grid, then up's) and
+    ``down_proj_scale_inv [E, cdiv(H, bo), cdiv(I, bi)]``."""
 
     def __init__(
         self,
@@ -208,11 +214,12 @@ class Experts(nnx.Module):
             self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i), param_dtype))
             self.down_proj = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
             return
-        self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2 * i)).astype(FP8))
-        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h)).astype(FP8))
-        gate_up = Fp8Blocks(*fp8_blocks, parts=2).scale_shape(h, 2 * i)
+        hf_init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        self.gate_up_proj = nnx.Param(hf_init(rngs.params(), (e, 2 * i, h)).astype(FP8))
+        self.down_proj = nnx.Param(hf_init(rngs.params(), (e, h, i)).astype(FP8))
+        gate_up = Fp8Blocks(*fp8_blocks, parts=2).scale_shape_nk(2 * i, h)
         self.gate_up_proj_scale_inv = nnx.Param(jnp.ones((e, *gate_up), jnp.float32))
-        down = Fp8Blocks(*fp8_blocks).scale_shape(i, h)
+        down = Fp8Blocks(*fp8_blocks).scale_shape_nk(h, i)
         self.down_proj_scale_inv = nnx.Param(jnp.ones((e, *down), jnp.float32))
 
     def scales(self) -> tuple[jax.Array, jax.Array] | None:
@@ -307,25 +314,30 @@ _PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$"
 _FUSED = re.compile(r"(?:^|\.)experts\.(gate_up_proj|down_proj)$")
 
 
-def hf_expert_slice(name: str, cfg: MoEConfig) -> ExpertSlice | None:
+def hf_expert_slice(name: str, cfg: MoEConfig, *, fp8: bool = False) -> ExpertSlice | None:
     """For an HF tensor name (``model.layers.3.mlp.experts.5.up_proj.weight``, or
     transformers' fused ``model.layers.3.mlp.experts.gate_up_proj``), where it goes in the
-    layer's ``experts`` parameters; None for a name that is no routed-expert tensor. Raises
-    ValueError for an expert index out of range."""
+    layer's ``experts`` parameters (``fp8``: kept FP8 ones, in HF's layout); None for a
+    name that is no routed-expert tensor. Raises ValueError for an expert index out of
+    range. An FP8 slot's index ends with its range of output rows (the loader maps it to
+    the scale grid's rows)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     if match := _PER_EXPERT.search(name):
         e, proj = int(match.group(1)), match.group(2)
         if e >= cfg.n_routed_experts:
             raise ValueError(f"{name}: expert {e} is out of range ({cfg.n_routed_experts} experts)")
         if proj == "down":
-            return ExpertSlice("down_proj", (e,), (1, 0), (h, i))
-        columns = slice(0, i) if proj == "gate" else slice(i, 2 * i)
-        return ExpertSlice("gate_up_proj", (e, slice(None), columns), (1, 0), (i, h))
+            return ExpertSlice("down_proj", (e,), (0, 1) if fp8 else (1, 0), (h, i))
+        outputs = slice(0, i) if proj == "gate" else slice(i, 2 * i)
+        if fp8:
+            return ExpertSlice("gate_up_proj", (e, outputs), (0, 1), (i, h))
+        return ExpertSlice("gate_up_proj", (e, slice(None), outputs), (1, 0), (i, h))
     if match := _FUSED.search(name):
         e = cfg.n_routed_experts
+        axes = (0, 1, 2) if fp8 else (0, 2, 1)
         if match.group(1) == "down_proj":
-            return ExpertSlice("down_proj", (), (0, 2, 1), (e, h, i))
-        return ExpertSlice("gate_up_proj", (), (0, 2, 1), (e, 2 * i, h))
+            return ExpertSlice("down_proj", (), axes, (e, h, i))
+        return ExpertSlice("gate_up_proj", (), axes, (e, 2 * i, h))
     return None
 
 

@@ -153,17 +153,14 @@ def is_fp8_weight(path: Sequence[str]) -> bool:
 def fp8_scale_shape(
     path: Sequence[str], shape: Sequence[int], quantization: FP8BlockQuantization
 ) -> tuple[int, ...]:
-    """The ``weight_scale_inv`` grid of an FP8 weight of ``shape`` in the layout the runtime
-    keeps it in: a projection's ``weight [..., out, in]`` (HF's) has ``[..., cdiv(out, bo),
-    cdiv(in, bi)]``; a routed experts' stack ``[..., in, out]`` (HF's transposed) ``[...,
-    cdiv(in, bi), cdiv(out, bo)]``, its ``gate_up_proj`` holding gate and up side by side,
-    each with its own grid: ``2 x cdiv(I, bo)`` columns."""
-    if path[-1] == "weight":
-        return (*shape[:-2], *quantization.scale_shape(shape[-2:]))
+    """The ``weight_scale_inv`` grid of an FP8 weight of ``shape`` in HF's layout ``[...,
+    out, in]``, as the runtime keeps it: ``[..., cdiv(out, bo), cdiv(in, bi)]``; a routed
+    experts' ``gate_up_proj`` holds gate and up one after the other, each with its own grid:
+    ``2 x cdiv(I, bo)`` rows."""
     bo, bi = quantization.weight_block_size
-    *lead, n_in, n_out = shape
+    *lead, n_out, n_in = shape
     halves = 2 if tuple(path[-2:]) == ("experts", "gate_up_proj") else 1
-    return (*lead, math.ceil(n_in / bi), halves * math.ceil(n_out // halves / bo))
+    return (*lead, halves * math.ceil(n_out // halves / bo), math.ceil(n_in / bi))
 
 
 def parameter_tensors(
@@ -172,7 +169,8 @@ def parameter_tensors(
     """The model's parameters from ``jax.eval_shape`` of ``DeepseekModel(cfg)`` in ``dtype``;
     with ``quantization``, each ``is_fp8_weight`` parameter as float8_e4m3fn followed by its
     float32 scales (path ``..., <name>_scale_inv``), as the runtime keeps them: a
-    projection's ``kernel [in, out]`` as its HF ``weight [out, in]`` (``layers.Linear``)."""
+    projection's ``kernel [in, out]`` as its HF ``weight [out, in]`` (``layers.Linear``), a
+    routed experts' stack in HF's layout (``moe.Experts``)."""
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, param_dtype=dtype, rngs=nnx.Rngs(0)))
     state = nnx.split(abstract)[1]
     tensors = []
@@ -180,9 +178,11 @@ def parameter_tensors(
         if quantization is None or not is_fp8_weight(path):
             tensors.append(Tensor(path, leaf.shape, np.dtype(leaf.dtype), path))
             continue
-        shape = leaf.shape
+        # HF's [out, in]: a projection's kernel [in, out] becomes its weight, a routed
+        # experts' stack [..., in, out] is transposed in place
+        shape = (*leaf.shape[:-2], *leaf.shape[:-3:-1])
         if path[-1] == "kernel":
-            path, shape = (*path[:-1], "weight"), (*shape[:-2], *shape[:-3:-1])
+            path = (*path[:-1], "weight")
         tensors.append(Tensor(path, shape, np.dtype(jnp.float8_e4m3fn), path))
         scale_path = (*path[:-1], path[-1] + "_scale_inv")
         scale = fp8_scale_shape(path, shape, quantization)

@@ -84,8 +84,8 @@ _WEIGHT_RULES: tuple[tuple[tuple[str, ...], tuple[str | None, ...]], ...] = (
     (("down_proj", "kernel"), _ROW_SPLIT),
     (("embed_tokens", "embedding"), _ROW_SPLIT),  # [vocab, H]: by vocabulary
     (("lm_head", "kernel"), _COLUMN_SPLIT),
-    (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I]
-    (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H]
+    (("experts", "gate_up_proj"), _BY_EXPERT),  # [E, H, 2I] (FP8: [E, 2I, H])
+    (("experts", "down_proj"), _BY_EXPERT),  # [E, I, H] (FP8: [E, H, I])
 )
 # An FP8 projection holds HF's ``weight [out, in]`` (``layers.Linear``) instead of its
 # ``kernel [in, out]``: the same split, on the swapped axes.

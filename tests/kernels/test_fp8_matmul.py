@@ -1,10 +1,10 @@
 """The FP8 weight-only matmuls (``fp8_matmul``, and ``grouped_matmul`` with an FP8 rhs: the
 Pallas kernels interpreted, and their references) against float64 NumPy: the weight
 dequantized in float64 from its fp8 values and block scales (``cdiv`` grids with partial
-edge blocks, the fused gate_up's two grids), then multiplied. ``fp8_matmul`` takes the
-weight and its scale grid in HF's layout, ``[N, K]`` and ``[N-grid, K-grid]``: the oracle
-dequantizes them from the ``[K, N]`` arrays they were transposed from, as the grouped
-matmul's experts are given.
+edge blocks, the fused gate_up's two grids), then multiplied. Both take the weights and
+their scale grids in HF's layout, ``[N, K]`` and ``[N-grid, K-grid]`` (a stack of them for
+the grouped matmul): the oracle dequantizes them from the ``[K, N]`` arrays they were
+transposed from.
 
 Tolerances (max abs error over max |oracle|): float32 activations 1e-6 (float32 products of
 exactly dequantized tiles; measured <= 6e-7 over seeds 0-2), bfloat16 7e-3 (bf16 rounding
@@ -80,11 +80,11 @@ def _oracle_nk(x, weight, scale_inv, blocks: fp8_blocks.Fp8Blocks) -> np.ndarray
 
 def _grouped_oracle(lhs, weight, scale, sizes, blocks) -> np.ndarray:
     """float64 ``[sum(sizes), N]``: each group's rows of ``lhs`` times its dequantized
-    weight."""
-    want, start = np.zeros((sum(sizes), weight.shape[-1])), 0
+    weight (``weight [G, N, K]``, ``scale [G, N-grid, K-grid]``, ``_fp8_weight_nk``'s)."""
+    want, start = np.zeros((sum(sizes), weight.shape[-2])), 0
     for g, size in enumerate(sizes):
-        dense = _numpy_dequantize(weight[g], scale[g], blocks)
-        want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
+        rows = slice(start, start + size)
+        want[rows] = _oracle_nk(lhs[rows], weight[g], scale[g], blocks)
         start += size
     return want
 
@@ -195,7 +195,7 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
     sizes, offset, depth, width = [5, 0, 37, 1, 0, 20], 6, 40, 48
     blocks = fp8_blocks.Fp8Blocks(16, 8, parts=2)
     num = offset + len(sizes) + 2
-    weight, scale = _fp8_weight(rng, (num, depth, width), blocks)
+    weight, scale = _fp8_weight_nk(rng, (num, depth, width), blocks)
     used = (0, 2, 3, 5) if impl == "pallas" else range(len(sizes))
     unused = [g for g in range(num) if g - offset not in used]
     weight = weight.at[jnp.asarray(unused)].set(jnp.nan)
@@ -211,12 +211,14 @@ def test_grouped_matmul_fp8_experts(impl, dtype, rng):
         blocks=blocks,
     )
     want = np.zeros((rows, width))
-    start = 0
-    for g, size in enumerate(sizes):
-        if size:
-            dense = _numpy_dequantize(weight[offset + g], scale[offset + g], blocks)
-            want[start : start + size] = np.asarray(lhs[start : start + size], np.float64) @ dense
-        start += size
+    live = [g for g, size in enumerate(sizes) if size]
+    want[: sum(sizes)] = _grouped_oracle(
+        lhs,
+        weight[offset + jnp.asarray(live)],
+        scale[offset + jnp.asarray(live)],
+        [sizes[g] for g in live],
+        blocks,
+    )
     _check(got, want, dtype)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes) :], 0)
 
@@ -229,7 +231,7 @@ def test_grouped_matmul_fp8_variants(variant, rng):
     fused gate_up's two grids, padding rows after the groups (0)."""
     sizes, depth, width = [5, 0, 19, 3], 72, 48
     blocks = fp8_blocks.Fp8Blocks(16, 16, parts=2)
-    weight, scale = _fp8_weight(rng, (len(sizes), depth, width), blocks)
+    weight, scale = _fp8_weight_nk(rng, (len(sizes), depth, width), blocks)
     rows = sum(sizes) + 2
     if variant == "float16_mma":
         dtype, lhs = jnp.bfloat16, _spread_rows(rng, rows, depth)
@@ -379,8 +381,8 @@ def test_kernels_lower_for_cuda():
     x = jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
     stack = jax.ShapeDtypeStruct((3, 256, 512), fp8_blocks.FP8)
     stack_scales = jax.ShapeDtypeStruct((3, 2, 4), jnp.float32)
-    experts = jax.ShapeDtypeStruct((3, 512, 256), fp8_blocks.FP8)
-    expert_scales = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
+    experts = jax.ShapeDtypeStruct((3, 256, 512), fp8_blocks.FP8)  # [G, N, K]
+    expert_scales = jax.ShapeDtypeStruct((3, 2, 4), jnp.float32)
     layer = jax.ShapeDtypeStruct((), jnp.int32)
     for f, args in (
         (dense, (x, weight, scales)),
@@ -451,8 +453,8 @@ def test_triton_kernels_refuse_wrapping_offsets(shape, refused):
     references, which index it right, take it."""
     blocks = fp8_blocks.Fp8Blocks(128, 128)
     e, k, n = shape
-    rhs = jax.ShapeDtypeStruct(shape, fp8_blocks.FP8)
-    scales = jax.ShapeDtypeStruct((e, *blocks.scale_shape(k, n)), jnp.float32)
+    rhs = jax.ShapeDtypeStruct((e, n, k), fp8_blocks.FP8)
+    scales = jax.ShapeDtypeStruct((e, *blocks.scale_shape_nk(n, k)), jnp.float32)
     lhs = jax.ShapeDtypeStruct((32, k), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
 

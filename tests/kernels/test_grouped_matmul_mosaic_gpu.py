@@ -3,10 +3,9 @@ CPU, jax >= 0.11; compiled on a GPU) against float64 NumPy products over each gr
 
 Tolerance: each output element within one bf16 spacing of the exact product, plus the
 float32 accumulation's bound (2^-20 x sum |lhs||rhs| over K): the kernel rounds a float32 sum
-once into bf16. Over an FP8 weight the exact product is taken with the weight the kernel
-multiplies, e4m3 x its block scale rounded into bf16 (``fp8_blocks.dequantize``, as the
-reference rounds it), so the bound is the same. Rows after the last group must be exactly 0;
-the weights (and scales) of groups a product must not read are NaN.
+once into bf16. Rows after the last group must be exactly 0; the weights of groups a product
+must not read are NaN. (FP8 experts run on ``w8a8_matmul``'s grouped form:
+``test_w8a8_matmul.py``.)
 """
 
 from __future__ import annotations
@@ -20,34 +19,18 @@ import numpy as np
 import pytest
 from conftest import mosaic_gpu_runs
 
-from mla_jax.kernels import fp8_blocks
 from mla_jax.kernels import grouped_matmul as gm
 from mla_jax.kernels.grouped_matmul import pallas_mosaic_gpu as mosaic
 
 BF16 = jnp.bfloat16
-FP8 = jnp.float8_e4m3fn
-Blocks = fp8_blocks.Fp8Blocks
 Config = mosaic.MosaicGroupedMatmulConfig
 SMALL = Config(block_m=64, block_n=64, block_k=64)
 
-jax_0_11 = pytest.mark.skipif(
-    tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11),
-    reason="compiled on jax 0.11 only (the Mosaic GPU kernels' jax on a GPU)",
-)
 
-
-def _weights(rng, groups, k, n, blocks):
-    """``rhs [groups, k, n]`` (bf16, or FP8 spanning e4m3's range with random float32 block
-    scales, not powers of two), its scales (or None) and the float64 value the kernel
-    multiplies."""
-    if blocks is None:
-        rhs = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), BF16)
-        return rhs, None, np.asarray(rhs, np.float64)
-    rhs = jnp.asarray(np.clip(rng.standard_normal((groups, k, n)) * 64, -448, 448), FP8)
-    shape = (groups, *blocks.scale_shape(k, n))
-    scales = jnp.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32) / 64 / np.sqrt(k))
-    exact = np.asarray(fp8_blocks.dequantize(rhs, scales, blocks, BF16), np.float64)
-    return rhs, scales, exact
+def _weights(rng, groups, k, n):
+    """``rhs [groups, k, n]`` bf16 and the float64 value the kernel multiplies."""
+    rhs = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), BF16)
+    return rhs, np.asarray(rhs, np.float64)
 
 
 def _check(got, lhs, exact_rhs, sizes):
@@ -98,51 +81,24 @@ CASES = {
 def test_bf16_matches_float64(rng, case):
     sizes, padding, k, n, config = CASES[case]
     lhs = jnp.asarray(rng.standard_normal((sum(sizes) + padding, k)), BF16)
-    rhs, _, exact = _weights(rng, len(sizes), k, n, None)
+    rhs, exact = _weights(rng, len(sizes), k, n)
     got = mosaic.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), config=config)
     assert got.shape == (lhs.shape[0], n) and got.dtype == BF16
     _check(got, lhs, exact, sizes)
 
 
 @mosaic_gpu_runs
-@pytest.mark.parametrize(
-    "case,blocks",
-    [
-        ("unaligned-groups", Blocks(64, 64)),  # a scale block a step
-        ("long-group", Blocks(64, 128)),  # two steps a scale block
-        ("default-launch", Blocks(128, 128, parts=2)),  # gate and up, each its own grid
-        ("skip-empty-half", Blocks(64, 64)),
-    ],
-)
-def test_fp8_matches_float64(rng, case, blocks):
-    sizes, padding, k, n, config = CASES[case]
-    lhs = jnp.asarray(rng.standard_normal((sum(sizes) + padding, k)), BF16)
-    rhs, scales, exact = _weights(rng, len(sizes), k, n, blocks)
-    got = mosaic.grouped_matmul(
-        lhs, rhs, jnp.asarray(sizes, jnp.int32), rhs_scale_inv=scales, blocks=blocks, config=config
-    )
-    _check(got, lhs, exact, sizes)
-
-
-@mosaic_gpu_runs
-@pytest.mark.parametrize("blocks", [None, Blocks(64, 64)], ids=["bf16", "fp8"])
-def test_traced_offset_reads_only_its_groups(rng, blocks):
+def test_traced_offset_reads_only_its_groups(rng):
     """Group sizes and the offset traced (a scan's layer of ``[3, 4, K, N]`` experts), the
-    schedule planned on the device; the other layers' weights and scales are NaN."""
+    schedule planned on the device; the other layers' weights are NaN."""
     sizes = [9, 0, 20, 3]
     lhs = jnp.asarray(rng.standard_normal((40, 128)), BF16)
-    rhs, scales, exact = _weights(rng, 4, 128, 128, blocks)
+    rhs, exact = _weights(rng, 4, 128, 128)
     stacked = jnp.full((3, 4, 128, 128), jnp.nan, rhs.dtype).at[1].set(rhs)
-    kwargs = {}
-    if blocks is not None:
-        stacked_scales = jnp.full((3, *scales.shape), jnp.nan).at[1].set(scales)
-        kwargs = dict(rhs_scale_inv=stacked_scales, blocks=blocks)
 
     @jax.jit
     def run(sizes, offset):
-        return mosaic.grouped_matmul(
-            lhs, stacked, sizes, group_offset=offset, config=SMALL, **kwargs
-        )
+        return mosaic.grouped_matmul(lhs, stacked, sizes, group_offset=offset, config=SMALL)
 
     _check(run(jnp.asarray(sizes, jnp.int32), jnp.int32(4)), lhs, exact, sizes)
 
@@ -153,7 +109,7 @@ def test_host_schedule(rng):
     one without it is refused."""
     sizes = [11, 0, 50]
     lhs = jnp.asarray(rng.standard_normal((64, 64)), BF16)
-    rhs, _, exact = _weights(rng, 3, 64, 128, None)
+    rhs, exact = _weights(rng, 3, 64, 128)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     schedule = gm.schedule_row_tiles(np.asarray(sizes), 64, 64, align=mosaic.ROW_ALIGN)
     got = mosaic.grouped_matmul(lhs, rhs, group_sizes, schedule=schedule, config=SMALL)
@@ -173,7 +129,7 @@ def test_prefill_on_mosaic_gpu_takes_a_prefills_rows(rng, monkeypatch, caplog):
     monkeypatch.setattr(
         mosaic, "grouped_matmul", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
     )
-    rhs, _, exact = _weights(rng, 2, 64, 128, None)
+    rhs, exact = _weights(rng, 2, 64, 128)
     for sizes, runs in (([70, 81], [1]), ([3, 6], [1])):
         lhs = jnp.asarray(rng.standard_normal((sum(sizes), 64)), BF16)
         with caplog.at_level("WARNING", logger="mla_jax.kernels.grouped_matmul"):
@@ -181,27 +137,6 @@ def test_prefill_on_mosaic_gpu_takes_a_prefills_rows(rng, monkeypatch, caplog):
         _check(got, lhs, exact, sizes)
         assert calls == runs
     assert "the Triton kernel for lhs [9, 64] x rhs [64, 128]" in caplog.text
-
-
-@mosaic_gpu_runs
-def test_hopper_set_runs_fp8_experts_of_a_prefill_on_it(rng, monkeypatch):
-    """The Hopper kernel set's grouped matmul: FP8 experts at a prefill's rows on the Mosaic
-    GPU kernel, bf16 experts on the Triton one; both match float64."""
-    from mla_jax import kernels
-
-    calls = []
-    kernel = mosaic.grouped_matmul
-    monkeypatch.setattr(
-        mosaic, "grouped_matmul", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
-    )
-    sizes = [70, 81]
-    lhs = jnp.asarray(rng.standard_normal((sum(sizes), 128)), BF16)
-    for blocks, runs in ((Blocks(64, 64), [1]), (None, [1])):
-        rhs, scales, exact = _weights(rng, 2, 128, 128, blocks)
-        kwargs = {} if blocks is None else dict(rhs_scale_inv=scales, blocks=blocks)
-        got = kernels.MOSAIC_GPU.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), **kwargs)
-        _check(got, lhs, exact, sizes)
-        assert calls == runs
 
 
 def test_refuses_what_it_does_not_take(rng):
@@ -215,60 +150,36 @@ def test_refuses_what_it_does_not_take(rng):
         mosaic.grouped_matmul(
             lhs.astype(jnp.float32), jnp.zeros((1, 128, 128), jnp.float32), sizes, config=SMALL
         )
-    with pytest.raises(ValueError, match="whole scale blocks"):
-        mosaic.grouped_matmul(
-            lhs,
-            jnp.zeros((1, 128, 128), FP8),
-            sizes,
-            rhs_scale_inv=jnp.ones((1, 4, 4), jnp.float32),
-            blocks=Blocks(32, 32),
-            config=SMALL,
-        )
     with pytest.raises(ValueError, match="bytes of shared memory"):
         mosaic.grouped_matmul(
             lhs, jnp.zeros((1, 128, 512), BF16), sizes, config=Config(block_n=256, stages=4)
         )
 
 
-@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=jax_0_11)], ids=["bf16", "fp8"])
-def test_lowers_for_sm90(fp8):
+def test_lowers_for_sm90():
     """The sm90 lowering (layout inference, TMA shapes and alignment) of DeepSeek-V3's expert
     matmuls at 8192 prefill tokens (top-8: 65536 rows), on any machine; only ptxas and the
     run need the GPU."""
-    blocks = Blocks(128, 128, parts=2) if fp8 else None
     rows, k, n, groups = 65536, 7168, 4096, 256
-    config = Config.for_weight(n, blocks)  # the launch the kernel sets run
-    f = jax.jit(
-        functools.partial(mosaic.grouped_matmul, blocks=blocks, config=config, interpret=False)
-    )
-    rhs = jax.ShapeDtypeStruct((groups, k, n), FP8 if fp8 else BF16)
-    kwargs = {}
-    if fp8:
-        scale_shape = (groups, *blocks.scale_shape(k, n))
-        kwargs = dict(rhs_scale_inv=jax.ShapeDtypeStruct(scale_shape, jnp.float32))
+    config = Config.for_weight(n)  # the launch prefill_on_mosaic_gpu runs
+    f = jax.jit(functools.partial(mosaic.grouped_matmul, config=config, interpret=False))
     lowered = f.trace(
         jax.ShapeDtypeStruct((rows, k), BF16),
-        rhs,
+        jax.ShapeDtypeStruct((groups, k, n), BF16),
         jax.ShapeDtypeStruct((groups,), jnp.int32),
-        **kwargs,
     ).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [None, Blocks(128, 128, parts=2)], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168)])
-def test_deepseek_v3_experts_compiled(rng, k, n, blocks):
+def test_deepseek_v3_experts_compiled(rng, k, n):
     """V3's gate_up and down expert matmuls over 8 of its experts with ragged rows, with the
-    launch the kernel sets run (over FP8: tiles whose second half is empty skip it) (GPU
-    only: too large to interpret)."""
+    launch ``prefill_on_mosaic_gpu`` runs (GPU only: too large to interpret)."""
     sizes = [300, 0, 1, 129, 400, 64, 7, 250]
     lhs = jnp.asarray(rng.standard_normal((sum(sizes) + 5, k)), BF16)
-    rhs, scales, exact = _weights(rng, len(sizes), k, n, blocks)
-    kwargs = dict(config=Config.for_weight(n, blocks))
-    if blocks is not None:
-        kwargs.update(rhs_scale_inv=scales, blocks=blocks)
-    got = jax.jit(functools.partial(mosaic.grouped_matmul, **kwargs))(
+    rhs, exact = _weights(rng, len(sizes), k, n)
+    got = jax.jit(functools.partial(mosaic.grouped_matmul, config=Config.for_weight(n)))(
         lhs, rhs, jnp.asarray(sizes, jnp.int32)
     )
     _check(got, lhs, exact, sizes)

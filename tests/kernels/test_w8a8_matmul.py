@@ -415,3 +415,67 @@ def test_grouped_refuses(weight, sizes, offset, config, message):
         w8a8.grouped_w8a8_matmul(
             x, w, s, jnp.asarray(sizes, jnp.int32), group_offset=offset, config=config
         )
+
+
+@mosaic_gpu_runs
+def test_hopper_set_runs_fp8_experts_on_w8a8(rng, monkeypatch, caplog):
+    """The Hopper set's grouped matmul: FP8 experts (a stack of two layers', the other layer
+    NaN, read at a traced offset) with bf16 rows on w8a8's grouped form; float32 rows and
+    blocks other than 128 x 128 on the Triton kernel (weight-only: the rows as they are),
+    the choices said once."""
+    from mla_jax import kernels
+    from mla_jax.kernels import fp8_blocks
+
+    calls = []
+    kernel = w8a8.grouped_w8a8_matmul
+    monkeypatch.setattr(
+        w8a8,
+        "grouped_w8a8_matmul",
+        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
+    )
+
+    def run(lhs, weights, scales, sizes, offset, blocks):
+        return kernels.MOSAIC_GPU.grouped_matmul(
+            lhs, weights, sizes, group_offset=offset, rhs_scale_inv=scales, blocks=blocks
+        )
+
+    run = jax.jit(run, static_argnames="blocks")
+    sizes = [5, 0, 9]
+    x, weights, scales, exact = _grouped_case(rng, sizes, 16, 256, 256, 6, 3)
+    whole = fp8_blocks.Fp8Blocks(128, 128)
+    for blocks, dtype, on_w8a8 in (
+        (whole, BF16, True),
+        (whole, jnp.float32, False),
+        (fp8_blocks.Fp8Blocks(64, 128), BF16, False),
+    ):
+        calls.clear()
+        # the same weights, their scales repeated per 64 rows for 64-row blocks
+        grid = scales if blocks == whole else jnp.repeat(scales, 2, axis=1)
+        with caplog.at_level("WARNING", logger="mla_jax.kernels"):
+            got = run(
+                x.astype(dtype),
+                weights.reshape(2, 3, 256, 256),
+                grid.reshape(2, 3, *grid.shape[1:]),
+                jnp.asarray(sizes, jnp.int32),
+                jnp.int32(3),
+                blocks,
+            )
+        if on_w8a8:
+            _check_grouped(got, x, exact, sizes, 3)
+        else:  # the rows as they are; the weight rounded to bf16 (half a spacing, 2^-9)
+            _check_grouped(got, x, exact, sizes, 3, quantized=False, accumulation=2.0**-9)
+        assert calls == ([1] if on_w8a8 else []), (blocks, dtype)
+    assert "grouped_matmul: w8a8 (rows quantized to e4m3" in caplog.text
+    assert "not on w8a8 (its weight blocks are not 128 x 128)" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(7168, 512), (2048, 1024)])
+def test_grouped_deepseek_depths_compiled(rng, k, n):
+    """V3's experts' depths (gate_up's 7168, down's 2048) over 8 experts with ragged rows:
+    groups over several 128-row tiles, one of a row, an empty one, padding rows after them
+    (GPU only: too large to interpret)."""
+    sizes = [300, 0, 1, 129, 400, 64, 7, 250]
+    x, weights, scales, exact = _grouped_case(rng, sizes, sum(sizes) + 5, k, n, 8, 0)
+    run = jax.jit(w8a8.grouped_w8a8_matmul)
+    _check_grouped(run(x, weights, scales, jnp.asarray(sizes, jnp.int32)), x, exact, sizes, 0)

@@ -154,7 +154,6 @@ def _fp8_matmul_kernel(
         blocks=blocks,
         scale_product=scale_product,
         swap_ab=swap_ab,
-        rhs_nk=True,
     )
     if row_scale_ref is not None:
         acc = matmul_steps.unscale_rows(acc, row_scale_ref, r0, row_ok)

@@ -1,5 +1,5 @@
 """The grouped matmul on Mosaic GPU (Hopper, sm90) for many rows a group: the routed experts'
-matmuls at prefill, over bf16 or FP8 (DeepSeek's 128 x 128 block scales) weights.
+matmuls at prefill over bf16 weights (FP8 experts run on ``w8a8_matmul``'s grouped form).
 
 The contract is the Triton kernel's (``pallas_triton.grouped_matmul``): rows sorted by group,
 ``out[r] = lhs[r] @ rhs[group_offset + g]`` for the rows r of group g, zeros for the rows
@@ -16,18 +16,11 @@ group) and the same stacked ``rhs``. What differs is how a tile is computed:
   align=8)``), and a tile that would run past the last row is copied from ``M - block_m``.
   The copy's rows of other groups are computed and not stored
   (``mosaic_gpu.copy_rows_smem_to_gmem``).
-- FP8 weights: each compute warpgroup converts its half of the step's e4m3 tile, times the
-  step's block scale (one number: a step lies in one scale block), into a bf16 tile in
-  shared memory, then multiplies it. The conversion rounds as the reference's dequantized
-  weight does (e4m3 x scale in float32, then bf16), and is amortized over the tile's rows
-  (the skinny matmul, with a few rows, converts for each of them). Each warpgroup has two
-  converted tiles: it converts a step while its wgmma of the step before still reads the
-  other.
 - A tile with no group's rows (padding rows after the groups) stores zeros and reads no
   weight; a tile past the real ones does nothing.
-- Over FP8 weights the rows are multiplied in halves of 64 (the wgmma's M), the second half
-  of a tile only where the tile has rows there: a group's last tile is mostly short
-  (``skip_empty_half``).
+- With ``skip_empty_half`` the rows are multiplied in halves of 64 (the wgmma's M), the
+  second half of a tile only where the tile has rows there: a group's last tile is mostly
+  short.
 - Programs run in ``config.band`` order on a one-axis grid (``tiling.banded``; by default
   each row tile's column blocks side by side, its rows kept in L2 across them). Mosaic GPU
   launches a grid's last axis fastest (Triton its first), so the grid ``(column blocks,
@@ -53,10 +46,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import fp8_blocks, mosaic_gpu, online_softmax, tiling
+from .. import mosaic_gpu, online_softmax, tiling
 from .pallas_triton import check, device_schedule, stacked_groups
 
-CONVERT_COLUMNS = 64  # an FP8 tile's columns a conversion loads: its 64-byte swizzle rows
 COMPUTE_WARPGROUPS = 2  # each owns block_n of a program's output columns
 ROW_ALIGN = 8  # a tile's copy of lhs starts at a multiple of this row (its 8-row tiles)
 WGMMA_ROWS = 64  # a wgmma's M: the halves of a tile that skip_empty_half multiplies apart
@@ -68,12 +60,14 @@ class MosaicGroupedMatmulConfig:
 
     block_m: rows a tile (64 or 128: the wgmma's M, once or twice).
     block_n: output columns a compute warpgroup (a multiple of 64; a program has two).
-    block_k: K a pipeline step (a multiple of 64; over FP8 it divides the scale blocks).
+    block_k: K a pipeline step (a multiple of 64).
     stages: pipeline steps in flight (None: as many as shared memory holds, up to 4).
     band: row tiles whose programs run side by side for each column block
       (``tiling.banded``; 1: column blocks fastest, each row tile's programs together).
     skip_empty_half: a 128-row tile multiplies its rows in halves of 64, the second only
-      where the tile has rows there (``for_weight`` turns it on over FP8 weights).
+      where the tile has rows there. Over bf16 weights it took V3's gate_up at 8192 tokens
+      from 8360 to 8921 us and left down at 4453 (H100, 2026-12-05: a trial script; over
+      the FP8 weights this kernel then converted, 0.95-0.99x the time).
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
     """
 
@@ -87,50 +81,31 @@ class MosaicGroupedMatmulConfig:
     auto_barriers: bool = False
 
     @classmethod
-    def for_weight(
-        cls, width: int, blocks: fp8_blocks.Fp8Blocks | None = None
-    ) -> MosaicGroupedMatmulConfig:
+    def for_weight(cls, width: int) -> MosaicGroupedMatmulConfig:
         """The defaults, with 64-column warpgroup blocks where N is not whole 256-column
-        programs or an FP8 weight's scale blocks are narrower than 128 columns (a small test
-        layer's; DeepSeek's weights take the defaults), and over FP8 weights
-        ``skip_empty_half``: at V3's routed experts over 8192 tokens (65536 rows, 256 a
-        group), with FP8 weights it took gate_up from 9151 to 9020 us and down from 4822 to
-        4547; with bf16 weights it took gate_up from 8360 to 8921 and left down at 4453
-        (H100, 2026-12-05: a trial script, the runs with and without on two machines, where
-        the Triton kernel's times agreed within 0.5%)."""
-        wide = width % (COMPUTE_WARPGROUPS * 128) == 0
-        if blocks is not None:
-            wide = wide and blocks.block_out % 128 == 0
-        return cls(block_n=128 if wide else 64, skip_empty_half=blocks is not None)
+        programs (a small test layer's; DeepSeek's weights take the defaults)."""
+        return cls(block_n=128 if width % (COMPUTE_WARPGROUPS * 128) == 0 else 64)
 
 
-def shared_memory(config: MosaicGroupedMatmulConfig, stages: int, fp8_weights: bool) -> int:
-    """Bytes of shared memory a program takes: the ring of lhs and weight tiles; each compute
-    warpgroup's output tile (bf16), over FP8 sharing its bytes with its two converted tiles."""
+def shared_memory(config: MosaicGroupedMatmulConfig, stages: int) -> int:
+    """Bytes of shared memory a program takes: the ring of lhs and weight tiles and each
+    compute warpgroup's output tile (bf16)."""
     width = COMPUTE_WARPGROUPS * config.block_n
-    ring = stages * (config.block_m * 2 + width * (1 if fp8_weights else 2)) * config.block_k
-    out = config.block_m * config.block_n * 2
-    if fp8_weights:
-        out = max(out, 2 * config.block_k * config.block_n * 2)
-    return ring + COMPUTE_WARPGROUPS * out
+    ring = stages * (config.block_m + width) * 2 * config.block_k
+    return ring + COMPUTE_WARPGROUPS * config.block_m * config.block_n * 2
 
 
-def stages_for(config: MosaicGroupedMatmulConfig, fp8_weights: bool) -> int:
+def stages_for(config: MosaicGroupedMatmulConfig) -> int:
     """``config.stages``, or the most (up to 4) that fit shared memory; 0: none fits."""
     if config.stages is not None:
         return config.stages
     stages = 4
-    while stages and shared_memory(config, stages, fp8_weights) > mosaic_gpu.SMEM_BYTES:
+    while stages and shared_memory(config, stages) > mosaic_gpu.SMEM_BYTES:
         stages -= 1
     return stages
 
 
-def _check_launch(
-    depth: int,
-    width: int,
-    config: MosaicGroupedMatmulConfig,
-    blocks: fp8_blocks.Fp8Blocks | None,
-) -> None:
+def _check_launch(depth: int, width: int, config: MosaicGroupedMatmulConfig) -> None:
     """ValueError, in one line, where a ``[K, N] = [depth, width]`` weight does not tile under
     ``config``."""
     if config.band < 1:
@@ -147,36 +122,25 @@ def _check_launch(
             f"grouped_matmul (Mosaic GPU): weight [{depth}, {width}] is not whole steps of "
             f"{config.block_k} and programs of {COMPUTE_WARPGROUPS * config.block_n} columns"
         )
-    if blocks is not None and (
-        blocks.block_in % config.block_k
-        or blocks.block_out % config.block_n
-        or (width // blocks.parts) % blocks.block_out
-    ):
-        raise ValueError(
-            f"grouped_matmul (Mosaic GPU): steps [{config.block_k}, {config.block_n}] do not "
-            f"lie in whole scale blocks of {blocks}"
-        )
-    stages = stages_for(config, blocks is not None)
-    if stages < 1 or shared_memory(config, stages, blocks is not None) > mosaic_gpu.SMEM_BYTES:
+    stages = stages_for(config)
+    if stages < 1 or shared_memory(config, stages) > mosaic_gpu.SMEM_BYTES:
         raise ValueError(
             f"grouped_matmul (Mosaic GPU): {config} needs "
-            f"{shared_memory(config, max(stages, 1), blocks is not None)} bytes of shared "
-            f"memory (has {mosaic_gpu.SMEM_BYTES})"
+            f"{shared_memory(config, max(stages, 1))} bytes of shared memory (has "
+            f"{mosaic_gpu.SMEM_BYTES})"
         )
 
 
 def unsupported(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    config: MosaicGroupedMatmulConfig | None = None,
-    blocks: fp8_blocks.Fp8Blocks | None = None,
+    lhs: jax.Array, rhs: jax.Array, config: MosaicGroupedMatmulConfig | None = None
 ) -> str | None:
-    """Why the kernel cannot run this product here (None: it can): an lhs not bfloat16, a
-    weight that does not tile, or a device or jax that does not run Mosaic GPU kernels."""
-    if lhs.dtype != jnp.bfloat16:
-        return f"lhs is {lhs.dtype}, not bfloat16"
+    """Why the kernel cannot run this product here (None: it can): an lhs or rhs not
+    bfloat16, a weight that does not tile, or a device or jax that does not run Mosaic GPU
+    kernels."""
+    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
+        return f"lhs and rhs are {lhs.dtype} and {rhs.dtype}, not bfloat16"
     return mosaic_gpu.unsupported(
-        lambda: _check_launch(*rhs.shape[-2:], config or MosaicGroupedMatmulConfig(), blocks),
+        lambda: _check_launch(*rhs.shape[-2:], config or MosaicGroupedMatmulConfig()),
         "grouped_matmul (Mosaic GPU): ",
     )
 
@@ -187,8 +151,6 @@ def grouped_matmul(
     group_sizes: jax.Array,
     *,
     group_offset: int | jax.Array = 0,
-    rhs_scale_inv: jax.Array | None = None,
-    blocks: fp8_blocks.Fp8Blocks | None = None,
     schedule: tiling.TileSchedule | None = None,
     config: MosaicGroupedMatmulConfig | None = None,
     interpret: bool | None = None,
@@ -197,10 +159,8 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` bfloat16, rows sorted by group.
-      rhs: ``[G', K, N]`` bfloat16, or float8_e4m3fn with ``rhs_scale_inv`` and ``blocks``
-        (``fp8_blocks``: whole blocks, each holding whole steps); leading axes stack
-        (``[L, E, K, N]`` is ``[L * E, K, N]``). K a multiple of ``config.block_k``, N of
-        ``2 x config.block_n``.
+      rhs: ``[G', K, N]`` bfloat16; leading axes stack (``[L, E, K, N]`` is ``[L * E, K,
+        N]``). K a multiple of ``config.block_k``, N of ``2 x config.block_n``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced): group g's rows multiply
         ``rhs[group_offset + g]``.
@@ -210,16 +170,15 @@ def grouped_matmul(
       interpret: Mosaic GPU's interpret mode (None: off a GPU).
 
     Returns:
-      ``out [M, N]`` bfloat16, accumulated in float32: ``lhs[r] @ rhs[g]`` (FP8: ``lhs[r] @
-      dequantize(rhs[g])``, the weight rounded into bf16 as the reference rounds it) for the
-      rows r of group g, 0 for the rows after the last group.
+      ``out [M, N]`` bfloat16, accumulated in float32: ``lhs[r] @ rhs[g]`` for the rows r of
+      group g, 0 for the rows after the last group.
     """
-    rhs, rhs_scale_inv = stacked_groups(rhs, rhs_scale_inv)
-    check(lhs, rhs, group_sizes, group_offset, rhs_scale_inv, blocks)
+    rhs, _ = stacked_groups(rhs)
+    check(lhs, rhs, group_sizes, group_offset)
     config = config or MosaicGroupedMatmulConfig()
     if lhs.dtype != jnp.bfloat16:
         raise ValueError(f"grouped_matmul (Mosaic GPU): lhs is {lhs.dtype}, not bfloat16")
-    _check_launch(*rhs.shape[-2:], config, blocks)
+    _check_launch(*rhs.shape[-2:], config)
     if schedule is not None and (
         schedule.rows_per_tile != config.block_m or schedule.align % ROW_ALIGN
     ):
@@ -232,22 +191,12 @@ def grouped_matmul(
         interpret = online_softmax.interpret_default()
     group_offset = jnp.asarray(group_offset, jnp.int32).reshape(1)
     return _grouped_matmul(
-        lhs,
-        rhs,
-        group_sizes,
-        group_offset,
-        rhs_scale_inv,
-        schedule,
-        blocks=blocks,
-        config=config,
-        interpret=interpret,
+        lhs, rhs, group_sizes, group_offset, schedule, config=config, interpret=interpret
     )
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "config", "interpret"))
-def _grouped_matmul(
-    lhs, rhs, group_sizes, group_offset, rhs_scale_inv, schedule, *, blocks, config, interpret
-):
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _grouped_matmul(lhs, rhs, group_sizes, group_offset, schedule, *, config, interpret):
     m = lhs.shape[0]
     num_groups = group_sizes.shape[0]
     if schedule is None:
@@ -258,25 +207,12 @@ def _grouped_matmul(
     rows = max(-(-m // ROW_ALIGN) * ROW_ALIGN, config.block_m)
     lhs = online_softmax.pad_to(lhs, (rows, lhs.shape[1]))
     width = rhs.shape[2]
-    stages = stages_for(config, blocks is not None)
-    fp8_weights = blocks is not None
     out_tile = plgpu.SMEM((config.block_m, config.block_n), lhs.dtype)
-    if fp8_weights:
-        converted = plgpu.SMEM(
-            (2, config.block_k, config.block_n), jnp.bfloat16, transforms=mosaic_gpu.swizzled(64, 2)
-        )
-        # A warpgroup's output tile takes its converted tiles' bytes: written after its last
-        # product.
-        scratch = dict(tiles=[plgpu.RefUnion(converted, out_tile)] * COMPUTE_WARPGROUPS)
-    else:
-        scratch = dict(tiles=[out_tile] * COMPUTE_WARPGROUPS)
     num_warpgroups = COMPUTE_WARPGROUPS + 1  # beside one that copies
     kernel = plgpu.kernel(
-        functools.partial(
-            _kernel, num_groups=num_groups, config=config, stages=stages, blocks=blocks
-        ),
+        functools.partial(_kernel, num_groups=num_groups, config=config, stages=stages_for(config)),
         out_type=jax.ShapeDtypeStruct((rows, width), lhs.dtype),
-        scratch_types=scratch,
+        scratch_types=dict(out_tiles=[out_tile] * COMPUTE_WARPGROUPS),
         grid=(
             tiling.banded_programs(
                 schedule.tile_segment.shape[0],
@@ -289,7 +225,6 @@ def _grouped_matmul(
         thread_name="wg",
         **mosaic_gpu.kernel_options(config, interpret, num_warpgroups),
     )
-    scales = () if blocks is None else (rhs_scale_inv,)
     out = jax.named_call(kernel, name="grouped_matmul_mosaic_gpu")(
         schedule.tile_segment,
         schedule.tile_start,
@@ -297,7 +232,6 @@ def _grouped_matmul(
         group_offset,
         lhs,
         rhs,
-        *scales,
     )
     return out[:m]
 
@@ -309,16 +243,15 @@ def _kernel(
     offset_gmem,
     lhs_gmem,
     rhs_gmem,
-    *refs,
+    out_gmem,
+    out_tiles,
+    *,
     num_groups: int,
     config: MosaicGroupedMatmulConfig,
     stages: int,
-    blocks: fp8_blocks.Fp8Blocks | None,
-    tiles,
 ):
     """One program: a row tile of the schedule x columns ``[n0, n0 + 2 block_n)``, in
     ``config.band`` order (``tiling.banded``)."""
-    *scale_gmem, out_gmem = refs
     block_m, block_n = config.block_m, config.block_n
     rows, depth = lhs_gmem.shape
     width = rhs_gmem.shape[2]
@@ -336,10 +269,6 @@ def _kernel(
     # The tile's copy starts here: a multiple of ROW_ALIGN (a TMA copy into 8-row tiles of
     # shared memory), its rows within block_m of it (the schedule's align).
     first = pl.multiple_of(jnp.minimum(r0 - r0 % ROW_ALIGN, rows - block_m), ROW_ALIGN)
-    if blocks is not None:
-        converted, out_tiles = zip(*tiles, strict=True)
-    else:
-        converted, out_tiles = (), tiles
 
     def store(wg, pieces):
         """Compute warpgroup ``wg``'s columns of the tile's rows ``[r0, r1)``, from
@@ -363,16 +292,11 @@ def _kernel(
         _run_pipeline(
             lhs_gmem.at[pl.ds(first, block_m)],
             rhs_gmem.at[group, :, pl.ds(n0, COMPUTE_WARPGROUPS * block_n)],
-            scale_gmem[0].at[group] if blocks is not None else None,
-            converted,
             store,
             r1 - first > WGMMA_ROWS,
-            n0=n0,
-            width=width,
             depth=depth,
             config=config,
             stages=stages,
-            blocks=blocks,
         )
 
     @pl.when(~has_group & (r0 < r1))  # padding rows after the groups: zeros
@@ -388,20 +312,15 @@ def _kernel(
 def _run_pipeline(
     lhs_rows,
     weight,
-    scales,
-    converted,
     store,
     second_half,
     *,
-    n0,
-    width: int,
     depth: int,
     config: MosaicGroupedMatmulConfig,
     stages: int,
-    blocks,
 ):
-    """The tile's K steps: ``lhs_rows [block_m, K]`` times ``weight [K, 2 block_n]`` (FP8:
-    with its group's ``scales``), each compute warpgroup's columns stored by ``store``.
+    """The tile's K steps: ``lhs_rows [block_m, K]`` times ``weight [K, 2 block_n]``, each
+    compute warpgroup's columns stored by ``store``.
 
     With ``config.skip_empty_half`` the rows are multiplied in halves of ``WGMMA_ROWS``, each
     into its own accumulator, the second (of a 128-row tile) only where ``second_half``
@@ -434,56 +353,18 @@ def _run_pipeline(
         def _():
             plgpu.wgmma_wait(1)
 
-    if blocks is None:
+    def compute_context(run_pipeline):
+        def run(*accs):
+            run_pipeline(accs)
+            # Reading an accumulator waits for the last product (an unused half holds 0).
+            store(wg, [acc[...] for acc in accs])
 
-        def compute_context(run_pipeline):
-            def run(*accs):
-                run_pipeline(accs)
-                # Reading an accumulator waits for the last product (an unused half holds 0).
-                store(wg, [acc[...] for acc in accs])
+        pl.run_scoped(run, *accumulators)
 
-            pl.run_scoped(run, *accumulators)
+    def step(_, lhs_tile, weight_tile, accs):
+        product(accs, lhs_tile, weight_tile.at[:, columns])
+        return accs
 
-        def step(_, lhs_tile, weight_tile, accs):
-            product(accs, lhs_tile, weight_tile.at[:, columns])
-            return accs
-
-    else:
-        scale_column = fp8_blocks.scale_columns(n0 + wg * block_n, width, blocks)
-
-        def step_scale(i):
-            """Step ``i``'s scale (clamped to the last step)."""
-            return scales[jnp.minimum(i, steps - 1) * block_k // blocks.block_in, scale_column]
-
-        def compute_context(run_pipeline):
-            def run(*accs):
-                run_pipeline((accs, step_scale(0)))
-                store(wg, [acc[...] for acc in accs])
-
-            pl.run_scoped(run, *accumulators)
-
-        def step(indices, lhs_tile, weight_tile, carry):
-            (i,) = indices
-            accs, scale = carry
-            next_scale = step_scale(i + 1)  # in flight while this step converts
-            for c in range(COMPUTE_WARPGROUPS):  # a warpgroup converts into its own tiles
-
-                @pl.when(wg == c)
-                def _(c=c):
-                    target = converted[c].at[i % 2]
-                    mosaic_gpu.convert_fp8_tile(
-                        weight_tile.at[:, pl.ds(c * block_n, block_n)],
-                        target,
-                        CONVERT_COLUMNS,
-                        scale,
-                    )
-                    # Waits for the step before's products: its converted tile is free again.
-                    product(accs, lhs_tile, target)
-
-            return accs, next_scale
-
-    fp8_weights = blocks is not None
-    itemsize = 1 if fp8_weights else 2
     plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
@@ -498,7 +379,7 @@ def _run_pipeline(
             plgpu.BlockSpec(
                 (block_k, COMPUTE_WARPGROUPS * block_n),
                 lambda k: (k, 0),
-                transforms=mosaic_gpu.swizzled(CONVERT_COLUMNS if fp8_weights else 64, itemsize),
+                transforms=mosaic_gpu.swizzled(64, 2),
                 delay_release=1,
             ),
         ],

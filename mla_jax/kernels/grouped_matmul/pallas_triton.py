@@ -3,6 +3,9 @@
 ``out[r] = lhs[r] @ rhs[g]`` for every row r of group g, where the rows of ``lhs`` are sorted
 by group: group g owns rows ``[offset[g], offset[g] + group_sizes[g])``, ``offset`` the
 exclusive cumulative sum of ``group_sizes``. Rows past the last group are padding and get 0.
+``rhs`` is ``[G, K, N]`` in lhs's dtype, or FP8 in HF's layout ``[G, N, K]`` (DeepSeek's
+experts as they ship, the layout Hopper's FP8 tensor cores read: ``w8a8_matmul``'s grouped
+form takes the same stack), ``out[r] = lhs[r] @ dequantize(rhs[g])^T``.
 
 Rows are cut into tiles of ``block_m`` rows that never straddle two groups; the tile -> group
 schedule (``schedule_row_tiles``, the shared ``tiling`` planner) is built on the device with
@@ -222,6 +225,11 @@ def stacked_groups(
     return rhs.reshape(-1, *rhs.shape[-2:]), rhs_scale_inv
 
 
+def _width(rhs: jax.Array, blocks: fp8_blocks.Fp8Blocks | None) -> int:
+    """N of ``rhs [G, K, N]``, or of an FP8 rhs ``[G, N, K]``."""
+    return rhs.shape[2] if blocks is None else rhs.shape[1]
+
+
 def check(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -232,14 +240,16 @@ def check(
 ) -> None:
     """The kernel's (and its reference's) input checks: ValueError in one line naming the
     argument."""
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"lhs {lhs.shape} must be [M, K] and rhs {rhs.shape} [G, K, N]")
-    if lhs.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"lhs must be bfloat16 or float32, got {lhs.dtype}")
     if (rhs_scale_inv is None) != (blocks is None):
         raise ValueError("rhs_scale_inv and blocks go together (an FP8 rhs needs both)")
+    depth_axis = 1 if blocks is None else 2  # [G, K, N], or an FP8 rhs's [G, N, K]
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[depth_axis]:
+        form = "[G, K, N]" if blocks is None else "[G, N, K] (FP8, HF's layout)"
+        raise ValueError(f"lhs {lhs.shape} must be [M, K] and rhs {rhs.shape} {form}")
+    if lhs.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"lhs must be bfloat16 or float32, got {lhs.dtype}")
     if blocks is not None:
-        blocks.check(rhs, rhs_scale_inv, "rhs")
+        blocks.check_nk(rhs, rhs_scale_inv, "rhs")
     elif rhs.dtype != lhs.dtype:
         raise ValueError(
             f"lhs and rhs must both be bfloat16 or float32 (or rhs float8_e4m3fn with "
@@ -294,17 +304,18 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` rows sorted by group (bf16 or f32).
-      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group, lhs's dtype, or float8_e4m3fn
-        with ``rhs_scale_inv``; group g's rows multiply ``rhs[group_offset + g]``. Leading
-        axes stack too (``stacked_groups``): ``[L, E, K, N]`` is ``[L * E, K, N]``.
+      rhs: ``[G', K, N]`` one ``[K, N]`` matrix per group in lhs's dtype, or float8_e4m3fn
+        ``[G', N, K]`` (HF's layout) with ``rhs_scale_inv``; group g's rows multiply
+        ``rhs[group_offset + g]`` (its transpose for FP8). Leading axes stack too
+        (``stacked_groups``): ``[L, E, K, N]`` is ``[L * E, K, N]``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced), the first of rhs's matrices the groups use.
         A stacked model passes every layer's experts (``[L, E, K, N]``) and ``layer * E``:
         slicing one layer's experts out under a scan would copy them each step.
-      rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', cdiv(K, block_in),
-        ...]`` (``fp8_blocks.Fp8Blocks.scale_shape``); each weight tile is dequantized into
-        lhs's dtype in registers (or into float16 with ``config.float16_mma``). blocks:
-        their block sizes (static).
+      rhs_scale_inv: for an FP8 rhs, its float32 block scales ``[G', N-grid, K-grid]``
+        (``fp8_blocks.Fp8Blocks.scale_shape_nk``, HF's ``weight_scale_inv``); each weight
+        tile is dequantized into lhs's dtype in registers (or into float16 with
+        ``config.float16_mma``). blocks: their block sizes (static).
       schedule: the row tiles (``schedule_row_tiles``; its ``rows_per_tile`` wins over
         ``config.block_m``); None plans them on the device, up to the static bound
         ``tiling.max_tiles``.
@@ -322,7 +333,11 @@ def grouped_matmul(
     if not interpret:
         fp8.check_triton_indexable(rhs, "rhs")
     config = config or GroupedMatmulConfig.for_shape(
-        lhs.shape[0], group_sizes.shape[0], *rhs.shape[1:], fp8=blocks is not None
+        lhs.shape[0],
+        group_sizes.shape[0],
+        lhs.shape[1],
+        _width(rhs, blocks),
+        fp8=blocks is not None,
     )
     if schedule is not None:
         config = dataclasses.replace(config, block_m=schedule.rows_per_tile)
@@ -346,7 +361,8 @@ def _grouped_matmul(
 ):
     m, k = lhs.shape
     num_groups = group_sizes.shape[0]
-    n = rhs.shape[2]
+    n = _width(rhs, blocks)
+    rhs_nk = blocks is not None
     block_n = matmul_steps.fit_block(config.block_n, n)
     block_k = matmul_steps.fit_block(config.block_k, k)
     if schedule is None:
@@ -359,7 +375,8 @@ def _grouped_matmul(
     out_dtype = lhs.dtype
     lhs, row_scale = matmul_steps.float16_operands(config.float16_mma, lhs, blocks, block_k, rows)
     lhs = online_softmax.pad_to(lhs, (rows, max(k, tile)))
-    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], max(k, tile), max(n, tile)))
+    padded = (max(n, tile), max(k, tile)) if rhs_nk else (max(k, tile), max(n, tile))
+    rhs = online_softmax.pad_to(rhs, (rhs.shape[0], *padded))
     kernel = functools.partial(
         _grouped_matmul_kernel,
         num_groups=num_groups,
@@ -381,7 +398,7 @@ def _grouped_matmul(
                 schedule.tile_segment.shape[0], pl.cdiv(n, block_n), config.band
             ),
         ),
-        out_shape=jax.ShapeDtypeStruct((rows, rhs.shape[2]), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, max(n, tile)), out_dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),

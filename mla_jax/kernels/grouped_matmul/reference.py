@@ -27,9 +27,9 @@ def grouped_matmul(
 
     Args:
       lhs: ``[M, K]`` rows sorted by group; rhs: ``[G', K, N]`` (or ``[..., G', K, N]``,
-        ``stacked_groups``), lhs's dtype, or float8_e4m3fn with ``rhs_scale_inv`` and
-        ``blocks`` (``fp8_blocks``): the G used matrices are dequantized into lhs's dtype,
-        then multiplied.
+        ``stacked_groups``) in lhs's dtype, or float8_e4m3fn ``[G', N, K]`` (HF's layout)
+        with ``rhs_scale_inv [G', N-grid, K-grid]`` and ``blocks`` (``fp8_blocks``): the G
+        used matrices are dequantized into lhs's dtype, then multiplied.
       group_sizes: ``[G]`` int32 rows per group, summing to at most M; G <= G'.
       group_offset: group g's rows multiply ``rhs[group_offset + g]`` (int32, may be traced).
       schedule, config, interpret: the Pallas kernel's tile plan, launch parameters and
@@ -45,7 +45,7 @@ def grouped_matmul(
     rhs = jax.lax.dynamic_slice_in_dim(rhs, group_offset, group_sizes.shape[0])
     if blocks is not None:
         scales = jax.lax.dynamic_slice_in_dim(rhs_scale_inv, group_offset, group_sizes.shape[0])
-        rhs = fp8_blocks.dequantize(rhs, scales, blocks, lhs.dtype)
+        rhs = fp8_blocks.dequantize_nk(rhs, scales, blocks, lhs.dtype).transpose(0, 2, 1)
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
     out = jax.lax.ragged_dot(
         lhs, rhs, group_sizes, precision=precision, preferred_element_type=jnp.float32

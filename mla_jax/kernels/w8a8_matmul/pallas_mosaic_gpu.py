@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import fp8, matmul_steps, mosaic_gpu, online_softmax, tiling
 from ..decode import device_num_sms
-from ..grouped_matmul.pallas_triton import check_groups, device_schedule
+from ..grouped_matmul.pallas_triton import check_groups, device_schedule, stacked_groups
 
 WARPGROUP_ROWS = 64  # a compute warpgroup's rows: the wgmma's M side; a program's up to 64
 BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
@@ -276,6 +276,21 @@ def check_grouped(
     check_groups(lhs.shape[0], weight.shape[0], group_sizes, group_offset)
 
 
+def grouped_unsupported(
+    lhs: jax.Array,
+    weight: jax.Array,
+    scale_inv: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: int | jax.Array = 0,
+) -> str | None:
+    """Why ``grouped_w8a8_matmul`` cannot run this product here (None: it can): an argument
+    it does not take, or a device or jax that does not run Mosaic GPU kernels."""
+    return mosaic_gpu.unsupported(
+        lambda: check_grouped(lhs, *stacked_groups(weight, scale_inv), group_sizes, group_offset),
+        "grouped_w8a8_matmul: ",
+    )
+
+
 def grouped_w8a8_matmul(
     lhs: jax.Array,
     weight: jax.Array,
@@ -301,6 +316,7 @@ def grouped_w8a8_matmul(
         (``quantize_rows``).
       weight: ``[G', N, K]`` float8_e4m3fn, each group's weight in HF's layout, N and K
         multiples of 128; scale_inv: ``[G', N / 128, K / 128]`` float32, their block scales.
+        Leading axes stack (``stacked_groups``): ``[L, E, N, K]`` is ``[L * E, N, K]``.
       group_sizes: ``[G]`` int32 rows per group (0 allowed), summing to at most M; G <= G'.
       group_offset: int32 scalar (may be traced): group g's rows multiply
         ``weight[group_offset + g]``.
@@ -313,6 +329,7 @@ def grouped_w8a8_matmul(
       ``[M, N]`` bfloat16, accumulated in float32 each 128 deep; 0 for the rows after the
       last group.
     """
+    weight, scale_inv = stacked_groups(weight, scale_inv)
     check_grouped(lhs, weight, scale_inv, group_sizes, group_offset)
     config = config or W8A8MatmulConfig()
     rows = grouped_row_tile(lhs.shape[0], group_sizes.shape[0])

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import fp8_blocks, matmul_steps
+from ..grouped_matmul.pallas_triton import stacked_groups
 from .pallas_mosaic_gpu import BLOCK, check, check_grouped, quantize_rows
 
 
@@ -56,7 +57,8 @@ def grouped_w8a8_matmul(
 
     Args:
       lhs: ``[M, K]`` bfloat16, rows sorted by group.
-      weight: ``[G', N, K]`` float8_e4m3fn; scale_inv: ``[G', N / 128, K / 128]`` float32.
+      weight: ``[G', N, K]`` float8_e4m3fn; scale_inv: ``[G', N / 128, K / 128]`` float32
+        (leading axes stack: ``[L, E, N, K]`` is ``[L * E, N, K]``).
       group_sizes: ``[G]`` int32, summing to at most M; group_offset: int32 scalar (may be
         traced).
       schedule, config, interpret: the kernel's tile plan, launch and mode; ignored here.
@@ -65,6 +67,7 @@ def grouped_w8a8_matmul(
       ``[M, N]`` bfloat16.
     """
     del schedule, config, interpret
+    weight, scale_inv = stacked_groups(weight, scale_inv)
     check_grouped(lhs, weight, scale_inv, group_sizes, group_offset)
     num_groups = group_sizes.shape[0]
     weight = jax.lax.dynamic_slice_in_dim(weight, group_offset, num_groups)
