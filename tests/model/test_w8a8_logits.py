@@ -149,10 +149,10 @@ def test_w8a8_logit_error_with_experts(rng, where, monkeypatch):
     """The mixture-of-experts variant (``TINY_MOE``): the routed experts on w8a8's grouped
     form beside the projections; the logits' relative L2 error (printed) within 5-50%. The
     reference gave 10.55%, 27.90%, 15.55% and 10.81% over MLA_TEST_SEEDs 0-3, the kernel
-    interpreted 37.73% on its own draw; on two shared draws the reference and the
-    interpreted kernel gave the same errors, 26.55% and 39.08% (CPU, 2026-12-06): the
-    spread is the draw's, wider than the dense model's, perhaps from tokens whose top-2
-    experts change with the rounding upstream (not checked)."""
+    interpreted 37.73% on its own draw (37.84% compiled, H100, 2026-12-06); on two shared
+    draws the reference and the interpreted kernel gave the same errors, 26.55% and 39.08%
+    (CPU, 2026-12-06): the spread is the draw's, wider than the dense model's, perhaps from
+    tokens whose top-2 experts change with the rounding upstream (not checked)."""
     _skip_where_it_cannot_run(where)
     error, taken = _logit_error(rng, where, monkeypatch, TINY_MOE)
     # the dense layer's projections as above; the MoE layer's shared expert [128, 256] and
