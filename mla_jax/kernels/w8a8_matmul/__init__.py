@@ -51,7 +51,7 @@ def pays_off(x: jnp.ndarray) -> bool:
     dequantized into a bf16 temporary then cuBLAS, which ``fp8_matmul.fastest`` runs there,
     and 0.90x and 0.84x the bf16 weight's (H100, 2026-12-06, a trial script; in
     ``benchmarks/fp8_matmul.json`` of the same day 0.82-0.93x the bf16 weight's on V3's
-    projections at 8192 rows, 0.85-0.95x the dequantized weight's). At one row ``q_b_proj``
+    projections at 8192 rows, 0.79-0.89x the dequantized weight's). At one row ``q_b_proj``
     (K = 1536) took 28.0 us against the Triton FP8 kernel's 14.7 in that table: not
     refined here yet."""
     return x.dtype == jnp.bfloat16
