@@ -20,6 +20,12 @@ step's weight scale and each row's x scale, to the sum it carries: a new accumul
 report, 3.3.2). One slice writes the output in x's dtype; XLA sums several slices' float32
 parts.
 
+The grouped form (``grouped_w8a8_matmul``, the MoE layer's routed experts) runs the same
+program body (``_tile_product``) on the row tiles of ``grouped_matmul``'s schedule: a tile
+holds one group's rows, its copy of x starts at a multiple of 8 rows (TMA into 8-row tiles),
+its weight is its group's, and only its group's rows are stored
+(``mosaic_gpu.copy_rows_smem_to_gmem``); one slice of K.
+
 Numerics: x's rounding to e4m3 (3 mantissa bits) puts the product about 2.5% (relative L2)
 from ``x @ dequantize(weight)`` on normal inputs; against x's e4m3 values the products are
 exact, each step's sum keeps about 14 bits in the wgmma (compiled on an H100, past the bf16
