@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .. import fp8_blocks, matmul_steps
 from ..grouped_matmul.pallas_triton import stacked_groups
+from ..grouped_matmul.reference import grouped_matmul
 from .pallas_mosaic_gpu import BLOCK, check, check_grouped, quantize_rows
 
 
@@ -53,7 +54,8 @@ def grouped_w8a8_matmul(
     interpret=None,
 ) -> jax.Array:
     """``quantized(lhs[r]) @ dequantize(weight[group_offset + g])^T`` for the rows r of group
-    g (``jax.lax.ragged_dot`` in float32), 0 for the rows after the last group.
+    g (``grouped_matmul``'s reference on the quantized rows in float32), 0 for the rows
+    after the last group.
 
     Args:
       lhs: ``[M, K]`` bfloat16, rows sorted by group.
@@ -69,16 +71,13 @@ def grouped_w8a8_matmul(
     del schedule, config, interpret
     weight, scale_inv = stacked_groups(weight, scale_inv)
     check_grouped(lhs, weight, scale_inv, group_sizes, group_offset)
-    num_groups = group_sizes.shape[0]
-    weight = jax.lax.dynamic_slice_in_dim(weight, group_offset, num_groups)
-    scale_inv = jax.lax.dynamic_slice_in_dim(scale_inv, group_offset, num_groups)
-    rhs = fp8_blocks.dequantize_nk(weight, scale_inv, fp8_blocks.Fp8Blocks(BLOCK, BLOCK))
-    out = jax.lax.ragged_dot(
+    out = grouped_matmul(  # float32 rows: weights dequantized into float32, HIGHEST dots
         _quantized(lhs),
-        rhs.transpose(0, 2, 1),
+        weight,
         group_sizes,
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+        group_offset=group_offset,
+        rhs_scale_inv=scale_inv,
+        blocks=fp8_blocks.Fp8Blocks(BLOCK, BLOCK),
     )
     return out.astype(lhs.dtype)
 
