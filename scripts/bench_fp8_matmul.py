@@ -8,7 +8,8 @@ bf16 activations.
 
 Each row: the bf16 time, the time of what the product runs with FP8 weights (the GPU kernel
 set's, the FP8 weights in HF's ``[N, K]`` layout: w8a8 on a Hopper GPU where it takes the
-weight, else ``fp8_matmul.fastest`` for the projections, the Triton grouped matmul with the
+weight and pays off (``w8a8_matmul.pays_off``), else ``fp8_matmul.fastest`` for the
+projections, the Triton grouped matmul with the
 tuned FP8 configs for the experts), their ratio (issue 23 asks <= 0.6x at decode, <= 1x at
 prefill and <= 0.77x there for w8a8), its relative error against the reference (the weights
 dequantized, then one matmul), and for the projections the paths the product did not pick
@@ -274,7 +275,8 @@ def projection_rows(sizes: Sizes) -> list[dict]:
             # elsewhere fastest's other path, and w8a8 where it runs (interpreted off a GPU).
             w8a8_runs = w8a8.unsupported(args[0][0], weight, scale_inv) is None
             fastest = "pallas" if tokens <= fm.PALLAS_MAX_ROWS else "dequant+cuBLAS"
-            if kernels.select("pallas") is kernels.MOSAIC_GPU and w8a8_runs:
+            hopper = kernels.select("pallas") is kernels.MOSAIC_GPU
+            if hopper and w8a8_runs and w8a8.pays_off(args[0][0]):
                 others = [fastest]
             else:
                 others = ["dequant+cuBLAS" if fastest == "pallas" else "pallas"]
@@ -372,7 +374,9 @@ def tables(args) -> None:
             "FP8 down_proj, 3.8 GB, is more than Pallas' Triton lowering indexes), its shared "
             "experts and the projections: on a Hopper GPU w8a8 "
             "(x quantized to e4m3 per row and 128 columns, e4m3 wgmmas; its rel err is "
-            "mostly x's rounding) where it takes the weight, else fp8_matmul.fastest (the "
+            "mostly x's rounding) where it takes the weight and pays off (not at up to "
+            f"{w8a8.FEW_ROWS} rows of a K up to {w8a8.SHALLOW_DEPTH}), else "
+            "fp8_matmul.fastest (the "
             f"Pallas kernel up to {fm.PALLAS_MAX_ROWS} rows, above them the weight "
             "dequantized into a bf16 temporary, then XLA's dot). Alternatives (10 calls): "
             "where w8a8 ran, the path fastest takes at that row count; elsewhere fastest's "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import (
@@ -130,9 +131,9 @@ def _hopper_grouped_matmul(
     """FP8 experts with bf16 rows on w8a8's grouped form (e4m3 wgmmas, the rows quantized
     per token and 128 columns) where it takes them, the Triton kernel elsewhere and for
     bf16 experts; either choice for FP8 experts said once. V3's MoE layer over FP8 experts
-    took 0.53x the bf16 layer's time at 64 tokens and 0.74x at 8192 with w8a8, 0.55x and
-    1.39x with the Triton kernel (H100, 2026-12-06, ``benchmarks/fp8_matmul.json``)."""
-    if blocks is not None and w8a8_matmul.pays_off(lhs):
+    took 0.52x the bf16 layer's time at 64 tokens and 0.75x at 8192 with w8a8, 0.53x and
+    1.41x with the Triton kernel (H100, 2026-12-06, ``benchmarks/fp8_matmul.json``)."""
+    if blocks is not None and lhs.dtype == jnp.bfloat16:
         reason = (
             "its weight blocks are not 128 x 128"
             if (blocks.block_out, blocks.block_in) != (w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
@@ -160,17 +161,20 @@ def _hopper_grouped_matmul(
 
 
 def _hopper_fp8_matmul(x, weight, scale_inv, *, blocks, layer=None):
-    """bf16 rows over an FP8 projection on w8a8 (``w8a8_matmul.pays_off``: e4m3 wgmmas, x
-    quantized per token and 128 columns) where the kernel takes the weight,
-    ``fp8_matmul.fastest`` (weight-only) elsewhere; either choice for such a product said
-    once."""
-    if w8a8_matmul.pays_off(x):
+    """bf16 rows over an FP8 projection on w8a8 (e4m3 wgmmas, x quantized per token and 128
+    columns) where it pays off (``w8a8_matmul.pays_off``) and the kernel takes the weight,
+    ``fp8_matmul.fastest`` (weight-only) elsewhere; either choice for bf16 rows said once."""
+    if x.dtype == jnp.bfloat16:
         shape = list(weight.shape[-2:])
-        reason = (
-            "its weight blocks are not 128 x 128"
-            if blocks != fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK)
-            else w8a8_matmul.unsupported(x, weight, scale_inv, layer)
-        )
+        if blocks != fp8_blocks.Fp8Blocks(w8a8_matmul.BLOCK, w8a8_matmul.BLOCK):
+            reason = "its weight blocks are not 128 x 128"
+        else:
+            reason = w8a8_matmul.unsupported(x, weight, scale_inv, layer)
+        if reason is None and not w8a8_matmul.pays_off(x):
+            reason = (
+                f"{x.shape[0]} rows of depth {x.shape[1]}: up to {w8a8_matmul.FEW_ROWS} of "
+                f"depth up to {w8a8_matmul.SHALLOW_DEPTH} the weight-only kernel is faster"
+            )
         if reason is None:
             mosaic_gpu.log_once(
                 log,

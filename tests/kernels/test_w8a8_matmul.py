@@ -24,11 +24,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import mosaic_gpu_runs
+from test_quantize_rows import quantized_rows
 
+from mla_jax.kernels import quantize_rows
 from mla_jax.kernels import w8a8_matmul as w8a8
 from mla_jax.kernels.w8a8_matmul import pallas_mosaic_gpu as mosaic
 
@@ -40,16 +41,9 @@ WGMMA_STEP = 2.0**-12
 
 
 def _quantized_rows(x: np.ndarray) -> np.ndarray:
-    """x [M, K] quantized per row and 128 columns, as float64: each group over the smallest
-    power of two at or above its amax / 448 (float64 divides a bf16 amax by 448 without
-    crossing a power of two), rounded to e4m3 (ml_dtypes rounds to nearest even), scaled
-    back."""
-    m, k = x.shape
-    groups = x.astype(np.float64).reshape(m, k // 128, 128)
-    mantissa, exponent = np.frexp(np.abs(groups).max(axis=-1, keepdims=True) / 448.0)
-    scales = np.ldexp(1.0, exponent - (mantissa == 0.5))  # 2^exponent unless v is 2^(e-1)
-    values = (groups / scales).astype(ml_dtypes.float8_e4m3fn)
-    return (values.astype(np.float64) * scales).reshape(m, k)
+    """x [M, K] quantized per row and 128 columns, as float64 (``quantized_rows``)."""
+    values, scales = quantized_rows(x)
+    return values.astype(np.float64) * np.repeat(scales, 128, axis=1)
 
 
 def _case(rng, m, k, n):
@@ -93,17 +87,6 @@ def _check(got, x, exact_weight, *, quantized=True, accumulation=None):
     assert np.isfinite(got).all() and excess.max() <= 0, f"worst excess {excess.max():.3g}"
 
 
-def test_quantize_rows_matches_numpy(rng):
-    """Values and scales as the formula gives them (a group at a power-of-two boundary
-    included), rows past M zero."""
-    x, _, _, _ = _case(rng, 5, 256, 128)
-    values, scales = w8a8.quantize_rows(x)
-    assert values.shape == (w8a8.WARPGROUP_ROWS, 256) and scales.shape == (2, w8a8.WARPGROUP_ROWS)
-    dequantized = np.asarray(values, np.float64) * np.repeat(np.asarray(scales).T, 128, axis=1)
-    np.testing.assert_array_equal(dequantized[:5], _quantized_rows(np.asarray(x, np.float32)))
-    assert not dequantized[5:].any() and float(scales[1, 1]) == 2.0**-7
-
-
 @mosaic_gpu_runs
 @pytest.mark.parametrize(
     "m,k,n,config",
@@ -111,6 +94,7 @@ def test_quantize_rows_matches_numpy(rng):
         (1, 256, 128, None),  # the launch's own slices, one row
         (5, 384, 256, Config(splits=3)),  # three slices of a step each, float32 parts
         (64, 512, 128, Config(stages=2, splits=2)),  # a full tile, two stages of two steps
+        (64, 512, 128, Config(depth=1, splits=1)),  # a product a pipeline step
         (130, 256, 256, Config(stages=2)),  # 128-row tiles (two warpgroups), the last of 2 rows
         (130, 256, 256, Config(splits=1)),  # one slice: the output in bf16 from the kernel
         # 3 row tiles x 5 column blocks in bands of 2, 2 and 1: every tile written once
@@ -159,9 +143,9 @@ def test_quantization_error_against_bf16_activations(rng):
 @mosaic_gpu_runs
 def test_hopper_set_runs_projections_on_w8a8(rng, monkeypatch, caplog):
     """The Hopper set's FP8 matmul: a stack's traced layer on w8a8 at decode's rows and at
-    more (the other layer NaN); float32 x, a weight of partial blocks, and blocks other
-    than 128 x 128 on the Triton kernel (weight-only: the product of x as it is), the
-    choices said once."""
+    more (the other layer NaN); float32 x, a weight of partial blocks, blocks other than
+    128 x 128 and few rows of a shallow K on the Triton kernel (weight-only: the product of
+    x as it is), the choices said once."""
     from mla_jax import kernels
     from mla_jax.kernels import fp8_blocks
 
@@ -177,11 +161,12 @@ def test_hopper_set_runs_projections_on_w8a8(rng, monkeypatch, caplog):
     run = jax.jit(run, static_argnames="blocks")
     whole = fp8_blocks.Fp8Blocks(128, 128)
     for m, n, blocks, dtype, on_w8a8 in (
-        (16, 256, whole, BF16, True),
+        (w8a8.FEW_ROWS + 1, 256, whole, BF16, True),
         (w8a8.WARPGROUP_ROWS + 8, 256, whole, BF16, True),
         (16, 256, whole, jnp.float32, False),
         (16, 192, whole, BF16, False),
         (16, 256, fp8_blocks.Fp8Blocks(64, 128), BF16, False),
+        (w8a8.FEW_ROWS, 256, whole, BF16, False),  # few rows of a shallow K
     ):
         calls.clear()
         x, weight, scale_inv, exact = _case(rng, m, 256, -(-n // 128) * 128)
@@ -200,19 +185,21 @@ def test_hopper_set_runs_projections_on_w8a8(rng, monkeypatch, caplog):
         assert calls == ([1] if on_w8a8 else []), (m, n, blocks, dtype)
     assert "fp8_matmul: w8a8 (x quantized to e4m3" in caplog.text
     assert "[192, 256] not on w8a8 (weight [192, 256] is not whole 128 x 128" in caplog.text
+    assert f"{w8a8.FEW_ROWS} rows of depth 256: up to {w8a8.FEW_ROWS} of depth" in caplog.text
     assert "[256, 256] not on w8a8 (its weight blocks are not 128 x 128)" in caplog.text
 
 
 @pytest.mark.parametrize(
     "m,k,n,num_sms,config,want",
     [
-        (64, 16384, 7168, 132, Config(), 4),  # 56 column blocks: 224 programs
-        (64, 7168, 18432, 132, Config(), 2),  # 144 column blocks: 288 programs
+        (64, 16384, 7168, 132, Config(), 2),  # 56 column blocks: 112 programs
+        (64, 7168, 18432, 132, Config(), 1),  # 144 column blocks: 144 programs
         (64, 7168, 1536, 132, Config(), 8),  # 12 column blocks: the most slices of 56 steps
         (64, 384, 128, 132, Config(), 1),  # 3 steps: of SPLITS only 1 divides them
         (64, 512, 128, 132, Config(splits=2), 2),
         (8192, 16384, 7168, 132, Config(), 1),  # 64 row tiles x 56 column blocks
-        (256, 16384, 7168, 132, Config(), 2),  # 2 row tiles x 56: 224 programs
+        (256, 16384, 7168, 132, Config(), 1),  # 2 row tiles x 56: 112 programs
+        (1, 16384, 7168, 66, Config(), 1),  # half the multiprocessors: 56 programs
     ],
 )
 def test_splits(m, k, n, num_sms, config, want):
@@ -220,16 +207,25 @@ def test_splits(m, k, n, num_sms, config, want):
 
 
 @pytest.mark.parametrize(
-    "m,steps,slices,config,want",
+    "m,steps,slices,depth,want",
     [
-        (64, 128, 4, Config(), 6),  # 24.25 KB a step beside a 32 KB float32 tile: 6 fit
-        (8192, 128, 1, Config(), 5),  # 32.5 KB a step beside a 32 KB bf16 tile: 5 fit
-        (8192, 128, 2, Config(), 4),  # beside a 64 KB float32 tile: 4
-        (64, 8, 4, Config(), 2),  # a slice's 2 steps
+        (64, 128, 4, 1, 6),  # 24.25 KB a step beside a 32 KB float32 tile: 6 fit
+        (8192, 128, 1, 1, 5),  # 32.5 KB a step beside a 32 KB bf16 tile: 5 fit
+        (8192, 128, 2, 1, 4),  # beside a 64 KB float32 tile: 4
+        (64, 8, 4, 1, 2),  # a slice's 2 steps
+        (64, 128, 4, 2, 3),  # two products a step, 48.5 KB: 3 fit
+        (8192, 128, 1, 2, 2),  # 65 KB a step: 2 fit
+        (64, 8, 4, 2, 1),  # a slice's 2 steps are one pipeline step
     ],
 )
-def test_stages(m, steps, slices, config, want):
-    assert mosaic.stages(m, steps, slices, config) == want
+def test_stages(m, steps, slices, depth, want):
+    assert mosaic.stages(m, steps, slices, Config(), depth) == want
+
+
+@pytest.mark.parametrize("steps,depth,want", [(56, 2, 2), (3, 2, 1), (56, 1, 1)])
+def test_step_depth(steps, depth, want):
+    """Two products a pipeline step where a slice's steps are even, else one."""
+    assert mosaic.step_depth(steps, Config(depth=depth)) == want
 
 
 @pytest.mark.parametrize(
@@ -249,8 +245,10 @@ def test_refuses(x, weight, scales, config, message):
 
 
 def test_refuses_configs():
-    with pytest.raises(ValueError, match="stages and band of at least 1, got 6 and 0"):
+    with pytest.raises(ValueError, match="depth 1 or 2, got 6, 0 and 2"):
         Config(band=0)
+    with pytest.raises(ValueError, match="depth 1 or 2, got 6, 8 and 3"):
+        Config(depth=3)
 
 
 def test_refuses_stacks_without_layer_and_layers_out_of_range():
@@ -276,11 +274,13 @@ def test_refuses_dtypes():
     reason="the Mosaic GPU lowering this kernel is written for needs jax >= 0.11",
 )
 @pytest.mark.parametrize("m", [64, 8192])
-def test_lowers_for_sm90(m):
+def test_lowers_for_sm90(m, monkeypatch):
     """The sm90 lowering (e4m3 wgmmas, TMA shapes, shared memory, the scales' row layout)
     of V3's o_proj at decode's 64 rows (slices of K, float32 parts) and a prefill's 8192
     (128-row tiles on two warpgroups, bf16 out), on any machine (jax 0.11, which the GPUs
-    run, and 0.12); only ptxas and the run need the GPU."""
+    run, and 0.12); only ptxas and the run need the GPU. x is quantized by
+    ``quantize_rows``' reference here: its Triton kernel lowers only where a GPU is."""
+    monkeypatch.setattr(mosaic, "quantize_rows", quantize_rows.reference.quantize_rows)
     f = jax.jit(functools.partial(w8a8.w8a8_matmul, interpret=False))
     lowered = f.trace(
         jax.ShapeDtypeStruct((m, 16384), BF16),
@@ -295,9 +295,11 @@ def test_lowers_for_sm90(m):
     reason="the Mosaic GPU lowering this kernel is written for needs jax >= 0.11",
 )
 @pytest.mark.parametrize("m", [512, 65536])
-def test_grouped_lowers_for_sm90(m):
+def test_grouped_lowers_for_sm90(m, monkeypatch):
     """The grouped form's sm90 lowering at V3's routed experts' gate_up (256 experts, 2048
-    x 2 outputs) over decode's 64 tokens x 8 (64-row tiles) and a prefill's 8192 x 8."""
+    x 2 outputs) over decode's 64 tokens x 8 (64-row tiles) and a prefill's 8192 x 8 (x
+    quantized by the reference, as above)."""
+    monkeypatch.setattr(mosaic, "quantize_rows", quantize_rows.reference.quantize_rows)
     f = jax.jit(functools.partial(w8a8.grouped_w8a8_matmul, interpret=False))
     lowered = f.trace(
         jax.ShapeDtypeStruct((m, 7168), BF16),

@@ -19,7 +19,6 @@ from .pallas_mosaic_gpu import (
     grouped_row_tile,
     grouped_unsupported,
     grouped_w8a8_matmul,
-    quantize_rows,
     unsupported,
     w8a8_matmul,
 )
@@ -32,26 +31,32 @@ __all__ = [
     "grouped_row_tile",
     "grouped_unsupported",
     "grouped_w8a8_matmul",
+    "FEW_ROWS",
+    "SHALLOW_DEPTH",
     "pays_off",
-    "quantize_rows",
     "unsupported",
     "w8a8_matmul",
 ]
 
 
+# Where the Triton weight-only kernel runs instead: up to this many rows of a projection
+# this shallow (K), w8a8's programs have too few steps to pay for their start. V3's
+# q_b_proj (K = 1536) at 1, 8, 16 and 32 rows took 14.7, 15.9, 14.8 and 17.6 us on it
+# against w8a8's 19.1, 19.4, 19.8 and 21.2, at 64 rows 33.7 against 18.9 (bf16 weight:
+# 27.6); the MLP's down_proj (K = 18432) at 1-8 rows 54.9-59.4 against 51.0-51.6 (H100,
+# 2026-12-06, a trial and ``benchmarks/fp8_matmul.json``).
+FEW_ROWS = 32
+SHALLOW_DEPTH = 2048
+
+
 def pays_off(x: jnp.ndarray) -> bool:
     """Whether the Hopper set takes ``x [M, K]`` times an FP8 projection to w8a8 (where the
-    kernel takes the weight): bfloat16 rows, any number.
+    kernel takes the weight): bfloat16 rows, unless there are at most ``FEW_ROWS`` of them
+    and K is at most ``SHALLOW_DEPTH``.
 
-    At decode's rows, on V3's projections at 1, 16 and 64 rows, it beat the Triton FP8
-    kernel in 17 of 18 cases (0.54-0.98x its time; the shared experts' gate_proj at 16 rows:
-    12.2 against 12.0 us) and the bf16 weight on the wide ones (o_proj, the dense MLP:
-    0.70-0.85x; H200, 2026-12-06, ``benchmarks/skinny_matmul_fp8.json``). At a prefill's
-    8192 rows it took 0.84x (o_proj) and 0.79x (gate_proj) the time of the weight
-    dequantized into a bf16 temporary then cuBLAS, which ``fp8_matmul.fastest`` runs there,
-    and 0.90x and 0.84x the bf16 weight's (H100, 2026-12-06, a trial script; in
-    ``benchmarks/fp8_matmul.json`` of the same day 0.82-0.93x the bf16 weight's on V3's
-    projections at 8192 rows, 0.79-0.89x the dequantized weight's). At one row ``q_b_proj``
-    (K = 1536) took 28.0 us against the Triton FP8 kernel's 14.7 in that table: not
-    refined here yet."""
-    return x.dtype == jnp.bfloat16
+    At 64 rows of V3's o_proj, gate_proj and down_proj it took 0.57-0.59x the bf16 weight's
+    time (the Triton FP8 kernel 1.05-1.09x), of q_b_proj 0.68x; at a prefill's 8192 rows
+    0.77-0.80x and 0.90x, where ``fp8_matmul.fastest``'s bf16 temporary of the weight for
+    cuBLAS took 1.04-1.07x (H100, 2026-12-06, ``benchmarks/fp8_matmul.json``)."""
+    m, k = x.shape
+    return x.dtype == jnp.bfloat16 and not (m <= FEW_ROWS and k <= SHALLOW_DEPTH)

@@ -3,7 +3,8 @@ e4m3 per token and 128 columns, DeepSeek's FP8 weight as it ships.
 
 Hopper's e4m3 wgmma reads both operands K-major from shared memory, so the weight stays in
 HF's ``[N, K]`` layout and x is quantized as DeepSeek's inference does (``act_quant``: a
-float32 scale per row and 128 columns; here a power of two, ``quantize_rows``). The other
+float32 scale per row and 128 columns; here a power of two, by ``quantize_rows``' kernel,
+which reads x once). The other
 FP8 kernels (``fp8_matmul``, ``skinny_matmul``, ``grouped_matmul``) convert each weight tile
 into 16 bits before a 16-bit MMA, which at 64 rows left them at 1.08-1.60x the bf16 weight's
 time (``skinny_matmul_fp8.json`` of 2026-12-04). A program owns a tile of x's rows
@@ -11,14 +12,14 @@ time (``skinny_matmul_fp8.json`` of 2026-12-04). A program owns a tile of x's ro
 scale block) and one of ``splits`` slices of K; the tiles are numbered in bands of ``band``
 column blocks, down every row tile and back up the next band, so that the programs resident
 at once share x's row tiles and the weight's column blocks in L2; a memory warpgroup streams
-the slice's ``[128, 128]`` e4m3 weight tiles, the matching ``[row_tile, 128]`` tiles of
-quantized x and x's scales of the step by TMA, ``stages`` steps ahead, and each of
-``row_tile / 64`` compute warpgroups multiplies its 64 rows of a step (on the wgmma's M
-side; x's rows padded to the tile) into a fresh float32 accumulator and adds it, times the
-step's weight scale and each row's x scale, to the sum it carries: a new accumulator each
-128 deep because the e4m3 wgmma keeps only about 14 bits of its running sum (DeepSeek-V3's
-report, 3.3.2). One slice writes the output in x's dtype; XLA sums several slices' float32
-parts.
+the slice's e4m3 weight tiles (128 columns by ``depth`` x 128 of K), the matching tiles of
+quantized x and x's scales by TMA, ``stages`` pipeline steps ahead, and each of ``row_tile
+/ 64`` compute warpgroups multiplies its 64 rows (on the wgmma's M side; x's rows padded to
+the tile) by each 128-deep part of a step into a fresh float32 accumulator, a wgmma each,
+issued together, and adds each, times its weight scale and each row's x scale, to the sum
+it carries, the first while the second runs: a new accumulator each 128 deep because the
+e4m3 wgmma keeps only about 14 bits of its running sum (DeepSeek-V3's report, 3.3.2). One
+slice writes the output in x's dtype; XLA sums several slices' float32 parts.
 
 The grouped form (``grouped_w8a8_matmul``, the MoE layer's routed experts) runs the same
 program body (``_tile_product``) on the row tiles of ``grouped_matmul``'s schedule: a tile
@@ -48,16 +49,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .. import fp8, matmul_steps, mosaic_gpu, online_softmax, tiling
 from ..decode import device_num_sms
 from ..grouped_matmul.pallas_triton import check_groups, device_schedule, stacked_groups
+from ..quantize_rows import quantize_rows
 
 WARPGROUP_ROWS = 64  # a compute warpgroup's rows: the wgmma's M side; a program's up to 64
 BLOCK = 128  # the weight's scale blocks (DeepSeek's 128 x 128), x's scale groups, a step's K
 # and a program's columns; 128 e4m3 values are one 128-byte swizzled row
 ROW_ALIGN = 8  # the grouped form's tiles copy x from a multiple of this row (8-row tiles)
 SPLITS = (1, 2, 4, 8, 16)
-# Programs a launch aims for, per multiprocessor: V3's o_proj [7168, 16384] ran fastest in 4
-# slices (224 programs; 8: +8%) and its gate_proj [18432, 7168] in 2 (288; 1, 144 programs:
-# +7%) on an H100's 132 (64 rows; 2026-12-06, a trial script).
-PROGRAMS_PER_SM = 1.5
+# Programs a launch aims for, per multiprocessor: the fewest slices of K that give about a
+# wave. At 64 rows V3's o_proj [7168, 16384] and MLP down_proj took 0.95x and 0.94x the
+# time in 2 slices (112 programs) of 4 (224), q_b_proj [24576, 1536] 0.72x in 1 (192) of 2,
+# gate_proj [18432, 7168] the same in 1 and 2; at one row likewise (H100, 132
+# multiprocessors, 2026-12-06, a trial).
+PROGRAMS_PER_SM = 0.8
 # Shared memory a launch may plan for: an sm90 program's, less some for the pipeline's
 # barriers.
 SMEM_BYTES = mosaic_gpu.SMEM_BYTES - 7 * 1024
@@ -67,8 +71,8 @@ SMEM_BYTES = mosaic_gpu.SMEM_BYTES - 7 * 1024
 class W8A8MatmulConfig:
     """Launch of the w8a8 matmul.
 
-    stages: pipeline steps in flight at most (a step: a 16 KB weight tile, an 8 or 16 KB
-      tile of x); fewer where shared memory holds fewer (``stages``).
+    stages: pipeline steps in flight at most (a step: ``depth`` 16 KB weight tiles and 8 or
+      16 KB tiles of x); fewer where shared memory holds fewer (``stages``).
     splits: slices of K (None: the fewest of ``SPLITS`` that give ``PROGRAMS_PER_SM``
       programs a multiprocessor, else the most that divide K's steps).
     band: column blocks in a band of the programs' order (``plgpu.planar_snake``);
@@ -76,20 +80,26 @@ class W8A8MatmulConfig:
       gate_proj, 8 took 0.98x and 0.99x the time of 1 (row tiles fastest), 16 and 4 within
       1% of 8, and one band of every column block 1.02x and 1.39x the time of 8 (H100,
       2026-12-06, a trial; at 512 rows of o_proj 8 was within 2% of the others).
+    depth: K's 128-deep steps a pipeline step (1 or 2; 1 where a slice's steps are odd): two
+      products issued together, the first added to the total while the second runs. At
+      8192 rows of V3's o_proj and gate_proj 2 took 0.89x and 0.96x the time of 1 (H100,
+      2026-12-06, a trial); at 64 rows of the projections 0.95-0.99x in an earlier trial
+      (x then quantized by XLA, a step's second weight scale read in the step).
     approx_math, auto_barriers: as ``MosaicDecodeConfig``'s (``mosaic_gpu.kernel_options``).
     """
 
     stages: int = 6
     splits: int | None = None
     band: int = 8
+    depth: int = 2
     approx_math: bool = True
     auto_barriers: bool = False
 
     def __post_init__(self):
-        if self.stages < 1 or self.band < 1:
+        if self.stages < 1 or self.band < 1 or self.depth not in (1, 2):
             raise ValueError(
-                f"W8A8MatmulConfig: stages and band of at least 1, got {self.stages} "
-                f"and {self.band}"
+                f"W8A8MatmulConfig: stages and band of at least 1 and depth 1 or 2, got "
+                f"{self.stages}, {self.band} and {self.depth}"
             )
 
 
@@ -150,37 +160,27 @@ def splits(m: int, k: int, n: int, config: W8A8MatmulConfig, num_sms: int) -> in
     return enough[0] if enough else fits[-1]
 
 
-def stages(m: int, steps: int, slices: int, config: W8A8MatmulConfig) -> int:
-    """Pipeline steps in flight: ``config.stages`` at most, no more than a slice's steps,
-    and as many as shared memory holds beside the output tile."""
+def step_depth(steps: int, config: W8A8MatmulConfig) -> int:
+    """128-deep products a pipeline step of a slice of ``steps`` of them: ``config.depth``
+    where it divides them, else 1."""
+    return config.depth if steps % config.depth == 0 else 1
+
+
+def stages(m: int, steps: int, slices: int, config: W8A8MatmulConfig, depth: int) -> int:
+    """Pipeline steps in flight (each ``depth`` of K's 128-deep steps): ``config.stages``
+    at most, no more than a slice has, and as many as shared memory holds beside the output
+    tile."""
     rows = row_tile(m)
     out_bytes = rows * BLOCK * (2 if slices == 1 else 4)
-    step_bytes = rows * BLOCK + BLOCK * BLOCK + 4 * rows
-    return max(1, min(config.stages, steps // slices, (SMEM_BYTES - out_bytes) // step_bytes))
+    step_bytes = depth * (rows * BLOCK + BLOCK * BLOCK + 4 * rows)
+    return max(
+        1, min(config.stages, steps // slices // depth, (SMEM_BYTES - out_bytes) // step_bytes)
+    )
 
 
-def quantize_rows(x: jax.Array, num_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """``x [M, K]`` as the kernels read it: ``[R, K]`` float8_e4m3fn, ``R = num_rows`` (at
-    least M; None: M rounded up to whole ``row_tile(M)``; rows past M zero), and the ``[K /
-    128, R]`` float32 scales of its rows' 128-column groups: values x scales is x rounded to
-    e4m3's 3 mantissa bits.
-
-    A group's scale is the smallest power of two at or above ``amax / 448`` (so nothing
-    saturates), found from ``amax``'s own exponent: ``448 = 0.875 x 2^9``, so for ``amax =
-    mantissa x 2^e`` (mantissa in [0.5, 1)) it is ``2^(e - 9)``, or ``2^(e - 8)`` where the
-    mantissa is above 0.875. No division is rounded (XLA may turn one by a constant into a
-    product by its reciprocal), so every backend picks the same scale, and dividing by a
-    power of two is exact. DeepSeek's ``act_quant`` takes ``amax / 448`` itself; e4m3
-    rounds relative to a value's own exponent, so a power of two costs no precision."""
-    m, k = x.shape
-    rows = -(-m // row_tile(m)) * row_tile(m) if num_rows is None else num_rows
-    groups = jnp.pad(x.astype(jnp.float32), ((0, rows - m), (0, 0)))
-    groups = groups.reshape(rows, k // BLOCK, BLOCK)
-    mantissa, exponent = jnp.frexp(jnp.max(jnp.abs(groups), axis=-1))
-    # Both powers of two stay normal float32 numbers (a bf16 amax's exponent is at most 128).
-    exponent = jnp.clip(exponent - 9 + (mantissa > 0.875), -126, 126)
-    values = (groups * matmul_steps.power_of_two(-exponent)[..., None]).astype(fp8.FP8)
-    return values.reshape(rows, k), matmul_steps.power_of_two(exponent).T
+def padded_rows(m: int) -> int:
+    """Rows of x's quantized copy for ``w8a8_matmul``: M rounded up to whole row tiles."""
+    return -(-m // row_tile(m)) * row_tile(m)
 
 
 def unsupported(
@@ -237,16 +237,17 @@ def w8a8_matmul(
     n = weight.shape[-2]
     weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     slices = splits(m, k, n, config, device_num_sms())
-    values, scales = quantize_rows(x)
+    values, scales = quantize_rows(x, padded_rows(m), interpret=interpret)
     rows = row_tile(m)
     out_dtype = x.dtype if slices == 1 else jnp.float32
+    depth = step_depth(k // BLOCK // slices, config)
     tiles = (values.shape[0] // rows, n // BLOCK)
     kernel = _launch(
-        functools.partial(_kernel, tiles=tiles, band=config.band),
+        functools.partial(_kernel, tiles=tiles, band=config.band, depth=depth),
         config,
         interpret,
         rows=rows,
-        stages=stages(m, k // BLOCK, slices, config),
+        stages=stages(m, k // BLOCK, slices, config, depth),
         slices=slices,
         grid=(tiles[0] * tiles[1], slices),
         out_shape=(slices, *values.shape[:1], n),
@@ -366,14 +367,19 @@ def _grouped_w8a8_matmul(
     if schedule is None:
         schedule = device_schedule(group_sizes, m, rows, ROW_ALIGN)
     # A tile's copy starts at a multiple of ROW_ALIGN rows, at most a tile before the end.
-    values, scales = quantize_rows(lhs, max(-(-m // ROW_ALIGN) * ROW_ALIGN, rows))
+    values, scales = quantize_rows(
+        lhs, max(-(-m // ROW_ALIGN) * ROW_ALIGN, rows), interpret=interpret
+    )
     tiles = (schedule.tile_segment.shape[0], n // BLOCK)
+    depth = step_depth(k // BLOCK, config)
     kernel = _launch(
-        functools.partial(_grouped_kernel, tiles=tiles, band=config.band, num_groups=num_groups),
+        functools.partial(
+            _grouped_kernel, tiles=tiles, band=config.band, num_groups=num_groups, depth=depth
+        ),
         config,
         interpret,
         rows=rows,
-        stages=stages(rows, k // BLOCK, 1, config),
+        stages=stages(rows, k // BLOCK, 1, config, depth),
         slices=1,
         grid=(tiles[0] * tiles[1],),
         out_shape=(values.shape[0], n),
@@ -430,6 +436,7 @@ def _kernel(
     stages: int,
     tiles: tuple[int, int],
     band: int,
+    depth: int,
 ):
     """One program of ``w8a8_matmul``: tile ``tile`` of the output's ``tiles`` (row tiles,
     column blocks) from slice ``split`` of K, ``[rows, BLOCK]``, of the stacked weight
@@ -457,6 +464,7 @@ def _kernel(
         slices=slices,
         rows=rows,
         stages=stages,
+        depth=depth,
     )
 
 
@@ -478,6 +486,7 @@ def _grouped_kernel(
     tiles: tuple[int, int],
     band: int,
     num_groups: int,
+    depth: int,
 ):
     """One program of ``grouped_w8a8_matmul``: the schedule's row tile and column block
     ``tile`` (in ``_tile_order``), its rows ``[start, end)`` of segment ``segment`` (a group,
@@ -513,6 +522,7 @@ def _grouped_kernel(
             slices=1,
             rows=rows,
             stages=stages,
+            depth=depth,
         )
 
     @pl.when(~has_group & (r0 < r1))  # padding rows after the groups: zeros
@@ -530,7 +540,18 @@ def _grouped_kernel(
 
 
 def _tile_product(
-    x_rows, x_scales, weight, weight_scales, out_smem, store, *, split, slices, rows, stages
+    x_rows,
+    x_scales,
+    weight,
+    weight_scales,
+    out_smem,
+    store,
+    *,
+    split,
+    slices,
+    rows,
+    stages,
+    depth,
 ):
     """A program's product: ``x_rows [rows, K]`` (e4m3) times ``weight [BLOCK, K]^T``'s slice
     ``split`` of ``slices`` of K, with ``x_scales [K / BLOCK, rows]`` and ``weight_scales [K
@@ -547,43 +568,76 @@ def _tile_product(
         """Step ``i``'s weight scale (of the slice; clamped to its last step)."""
         return weight_scales[first_step + jnp.minimum(i, steps - 1)]
 
-    def compute_context(run_pipeline):
-        total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-        total, _ = run_pipeline((total, weight_scale(0)))
+    def row_factors(x_scale_tile, h, scale):
+        row_scales = plgpu.load(x_scale_tile.at[h, own_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+        return row_scales * scale
+
+    def promote(total, acc, factors):
+        return total + acc * lax.broadcast_in_dim(factors, acc_shape, [0])
+
+    def finish(total):
         out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
         plgpu.commit_smem()
         store(own_rows)
         plgpu.wait_smem_to_gmem(0)
 
+    def zeros():
+        return plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+
+    def multiply(acc, x_tile, w_tile, h):
+        # [64, BLOCK] += x_tile's rows [64, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
+        depth_columns = pl.ds(h * BLOCK, BLOCK)
+        plgpu.wgmma(
+            acc, x_tile.at[own_rows, depth_columns], w_tile.at[:, depth_columns].transpose((1, 0))
+        )
+
+    def step_scales(i):
+        """Pipeline step ``i``'s weight scales, one a product."""
+        return tuple(weight_scale(depth * i + h) for h in range(depth))
+
+    def compute_context(run_pipeline):
+        total, _ = run_pipeline((zeros(), step_scales(0)))
+        finish(total)
+
     def step(indices, x_tile, w_tile, x_scale_tile, carry):
-        total, scale = carry
-        next_scale = weight_scale(indices[0] + 1)  # in flight while this step computes
+        """``depth`` of K's 128-deep steps, each its own product (the e4m3 wgmma keeps about
+        14 bits of its running sum), added to the total as the next one runs."""
+        total, scales = carry
+        next_scales = step_scales(indices[0] + 1)  # in flight while this step computes
 
-        def product(acc):
-            # [64, BLOCK] += x_tile's rows [64, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
-            plgpu.wgmma(acc, x_tile.at[own_rows], w_tile.transpose((1, 0)))
-            return acc[...]  # waits for the product: the slot goes back to the copies
+        def products(*accumulators):
+            for h, acc in enumerate(accumulators):
+                multiply(acc, x_tile, w_tile, h)
+            result = total
+            for h, acc in enumerate(accumulators):
+                # The later products may still run; the last wait is for all of them, and
+                # the slot goes back to the copies.
+                done = plgpu.wgmma_accumulator_load(acc, wait_n=depth - 1 - h)
+                result = promote(result, done, row_factors(x_scale_tile, h, scales[h]))
+            return result
 
-        acc = pl.run_scoped(product, plgpu.ACC(acc_shape))
-        row_scales = plgpu.load(x_scale_tile.at[0, own_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-        factor = lax.broadcast_in_dim(row_scales * scale, acc_shape, [0])
-        return total + acc * factor, next_scale
+        total = pl.run_scoped(products, *[plgpu.ACC(acc_shape)] * depth)
+        return total, next_scales
 
     k_slice = pl.ds(first_step * BLOCK, steps * BLOCK)
     plgpu.emit_pipeline_warp_specialized(
         step,
-        grid=(steps,),
+        grid=(steps // depth,),
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec(
-                (rows, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
+                (rows, depth * BLOCK),
+                lambda i: (0, i),
+                transforms=mosaic_gpu.swizzled(BLOCK, 1),
             ),
             plgpu.BlockSpec(
-                (BLOCK, BLOCK), lambda i: (0, i), transforms=mosaic_gpu.swizzled(BLOCK, 1)
+                (BLOCK, depth * BLOCK),
+                lambda i: (0, i),
+                transforms=mosaic_gpu.swizzled(BLOCK, 1),
             ),
             # 64 or 128 float32 scales a step: 256- or 512-byte slots keep every TMA
             # destination 128-byte aligned
-            plgpu.BlockSpec((1, rows), lambda i: (i, 0)),
+            plgpu.BlockSpec((depth, rows), lambda i: (i, 0)),
         ],
         wg_axis="wg",
         num_compute_wgs=rows // WARPGROUP_ROWS,
