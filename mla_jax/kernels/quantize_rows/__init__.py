@@ -3,7 +3,7 @@ e4m3 values and a float32 scale per row and 128 columns, the scale here a power 
 w8a8 kernels read x this way. The Pallas kernel (Triton lowering) reads x once; its pure-jnp
 reference (``reference.quantize_rows``, the same signature and the same bits) is two XLA
 fusions on a GPU, a reduction then the values, which read x twice: at V3's o_proj over 8192
-tokens 236 us against the kernel's 144 (H100, 2026-12-06, ``.device`` trial; the bits equal).
+tokens 236 us against the kernel's 144 (H100, 2026-12-06, a trial; the bits equal).
 """
 
 from __future__ import annotations

@@ -569,20 +569,13 @@ def _tile_product(
         return weight_scales[first_step + jnp.minimum(i, steps - 1)]
 
     def row_factors(x_scale_tile, h, scale):
+        """The ``[64]`` factors of part ``h``'s product: each row's x scale times the
+        weight's."""
         row_scales = plgpu.load(x_scale_tile.at[h, own_rows], layout=plgpu.Layout.WGMMA.reduce(1))
         return row_scales * scale
 
     def promote(total, acc, factors):
         return total + acc * lax.broadcast_in_dim(factors, acc_shape, [0])
-
-    def finish(total):
-        out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
-        plgpu.commit_smem()
-        store(own_rows)
-        plgpu.wait_smem_to_gmem(0)
-
-    def zeros():
-        return plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
 
     def multiply(acc, x_tile, w_tile, h):
         # [64, BLOCK] += x_tile's rows [64, BLOCK (K)] @ w_tile^T [BLOCK (K), BLOCK]
@@ -596,8 +589,12 @@ def _tile_product(
         return tuple(weight_scale(depth * i + h) for h in range(depth))
 
     def compute_context(run_pipeline):
-        total, _ = run_pipeline((zeros(), step_scales(0)))
-        finish(total)
+        total = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+        total, _ = run_pipeline((total, step_scales(0)))
+        out_smem.at[own_rows][...] = total.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        store(own_rows)
+        plgpu.wait_smem_to_gmem(0)
 
     def step(indices, x_tile, w_tile, x_scale_tile, carry):
         """``depth`` of K's 128-deep steps, each its own product (the e4m3 wgmma keeps about
@@ -635,8 +632,8 @@ def _tile_product(
                 lambda i: (0, i),
                 transforms=mosaic_gpu.swizzled(BLOCK, 1),
             ),
-            # 64 or 128 float32 scales a step: 256- or 512-byte slots keep every TMA
-            # destination 128-byte aligned
+            # depth x 64 or 128 float32 scales a step: slots of 256 or 512 bytes a part keep
+            # every TMA destination 128-byte aligned
             plgpu.BlockSpec((depth, rows), lambda i: (i, 0)),
         ],
         wg_axis="wg",
