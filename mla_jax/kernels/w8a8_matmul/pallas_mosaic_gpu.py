@@ -178,11 +178,6 @@ def stages(m: int, steps: int, slices: int, config: W8A8MatmulConfig, depth: int
     )
 
 
-def padded_rows(m: int) -> int:
-    """Rows of x's quantized copy for ``w8a8_matmul``: M rounded up to whole row tiles."""
-    return -(-m // row_tile(m)) * row_tile(m)
-
-
 def unsupported(
     x: jax.Array,
     weight: jax.Array,
@@ -237,8 +232,8 @@ def w8a8_matmul(
     n = weight.shape[-2]
     weight, scale_inv, layer = matmul_steps.as_stack(weight, scale_inv, layer)
     slices = splits(m, k, n, config, device_num_sms())
-    values, scales = quantize_rows(x, padded_rows(m), interpret=interpret)
     rows = row_tile(m)
+    values, scales = quantize_rows(x, -(-m // rows) * rows, interpret=interpret)  # whole tiles
     out_dtype = x.dtype if slices == 1 else jnp.float32
     depth = step_depth(k // BLOCK // slices, config)
     tiles = (values.shape[0] // rows, n // BLOCK)
